@@ -1,0 +1,205 @@
+"""Hugging Face safetensors checkpoints in and out of a sharded model.
+
+Load: every rank memory-maps the checkpoint and reads only its own slices (single file or
+sharded with ``model.safetensors.index.json``). Every tensor is checked against the shape the
+config implies before any is read; a missing or mis-shaped tensor is an error naming it.
+
+Save: the ranks of data-parallel replica 0 send their slices to one writer rank, which
+assembles full tensors under their HF names, writes sharded safetensors with an index, the
+config and the tokenizer files, into a temporary directory renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shardflow.models.config import ModelConfig
+from shardflow.parallel.layout import Layout
+from shardflow.parallel.sharding import RankShard, TensorShard, checkpoint_tensor_names, shard_for
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+
+
+class CheckpointReader:
+    """Lazy, memory-mapped access to the tensors of a safetensors checkpoint directory."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"cannot read checkpoint index {index}: {e}") from None
+        elif (self.path / SINGLE_FILE).is_file():
+            weight_map = None
+        else:
+            raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}")
+        self._files: dict[str, object] = {}
+        if weight_map is None:
+            handle = self._open(SINGLE_FILE)
+            weight_map = {name: SINGLE_FILE for name in handle.keys()}
+        self.weight_map: dict[str, str] = weight_map
+
+    def _open(self, filename: str):
+        if filename not in self._files:
+            file = self.path / filename
+            if not file.is_file():
+                raise FileNotFoundError(f"checkpoint file {file} named in the index is missing")
+            try:
+                self._files[filename] = safe_open(str(file), framework="pt")
+            except Exception as e:  # safetensors raises its own error type for corrupt headers
+                raise ValueError(f"cannot read {file}: {e} (truncated or corrupt checkpoint?)") from None
+        return self._files[filename]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self.weight_map[name]).get_slice(name).get_shape())
+
+    def check(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """Every expected tensor exists with the expected full shape."""
+        missing = [n for n in expected if n not in self.weight_map]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ValueError(f"checkpoint {self.path} lacks tensor {missing[0]!r}{more}")
+        for name, shape in expected.items():
+            actual = self.shape(name)
+            if actual != shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} in {self.path} has shape {list(actual)}, "
+                    f"expected {list(shape)} from config.json"
+                )
+
+    def read(self, ts: TensorShard) -> torch.Tensor:
+        """The full-tensor range of one shard (without padding)."""
+        view = self._open(self.weight_map[ts.source]).get_slice(ts.source)
+        try:
+            return view[ts.full_slices()]
+        except Exception as e:
+            raise ValueError(f"cannot read tensor {ts.source!r} from {self.path}: {e} "
+                             "(truncated or corrupt checkpoint?)") from None
+
+
+def expected_shapes(shard: RankShard) -> dict[str, tuple[int, ...]]:
+    return {ts.source: ts.full_shape for ts in shard.tensors.values()}
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, shard: RankShard, path: str | Path) -> None:
+    """Fill ``model``'s parameters with this rank's slices of the checkpoint at ``path``."""
+    reader = CheckpointReader(path)
+    reader.check(expected_shapes(shard))
+    params = dict(model.named_parameters())
+    assert set(params) == set(shard.tensors), (set(params) ^ set(shard.tensors))
+    for name, ts in shard.tensors.items():
+        param = params[name]
+        piece = reader.read(ts)
+        if ts.padded:
+            param.zero_()
+        param[ts.local_slices()].copy_(piece)
+
+
+def _holders(cfg: ModelConfig, layout: Layout) -> dict[str, list[tuple[int, TensorShard]]]:
+    """For each checkpoint tensor: which ranks of replica 0 send which distinct slice."""
+    holders: dict[str, list[tuple[int, TensorShard]]] = {}
+    seen: dict[str, set[tuple[int, int]]] = {}
+    for rank, coord in layout.coords():
+        if coord.dp != 0:
+            continue
+        for ts in shard_for(cfg, layout, rank).tensors.values():
+            if ts.name != ts.source:  # a tied head's copy: the embedding is saved instead
+                continue
+            key = (ts.start, ts.stop) if ts.dim is not None else (0, 0)
+            if key in seen.setdefault(ts.name, set()):
+                continue  # replicated (norms, or KV heads shared by several tp ranks)
+            seen[ts.name].add(key)
+            holders.setdefault(ts.name, []).append((rank, ts))
+    return holders
+
+
+@torch.no_grad()
+def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, layout: Layout, rank: int, path: str | Path,
+                    *, tokenizer_dir: str | Path | None = None, dtype: torch.dtype | None = None,
+                    max_shard_bytes: int = 4 << 30) -> None:
+    """Write a Hugging Face checkpoint of the model. Every rank of ``layout`` calls this."""
+    path = Path(path)
+    writer = layout.ranks[0]
+    params = dict(model.named_parameters())
+    holders = _holders(cfg, layout)
+    names = checkpoint_tensor_names(cfg)
+    if rank != writer:
+        for name in names:
+            for holder, ts in holders[name]:
+                if holder == rank:
+                    dist.send(params[name][ts.local_slices()].contiguous(), dst=writer)
+        return
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in names:
+        first_ts = holders[name][0][1]
+        full = torch.empty(first_ts.full_shape, dtype=next(iter(params.values())).dtype, device=model_device(params))
+        for holder, ts in holders[name]:
+            if holder == rank:
+                full[ts.full_slices()] = params[name][ts.local_slices()]
+            else:
+                piece = torch.empty(ts.piece_shape(), dtype=full.dtype, device=full.device)
+                dist.recv(piece, src=holder)
+                full[ts.full_slices()] = piece
+        tensor = full.to(dtype or full.dtype).cpu()
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    _write_files(tmp, shards, cfg, tensor_dtype=next(iter(shards[0].values())).dtype)
+    if tokenizer_dir is not None:
+        for fname in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / fname
+            if src.is_file():
+                shutil.copy2(src, tmp / fname)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+
+
+def model_device(params: dict[str, torch.Tensor]) -> torch.device:
+    return next(iter(params.values())).device
+
+
+def _write_files(directory: Path, shards: list[dict[str, torch.Tensor]], cfg: ModelConfig,
+                 tensor_dtype: torch.dtype) -> None:
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / SINGLE_FILE), metadata=metadata)
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(directory / fname), metadata=metadata)
+            for name, t in shard.items():
+                weight_map[name] = fname
+                total += t.numel() * t.element_size()
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    config = dict(cfg.hf_config)
+    config["dtype"] = str(tensor_dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")

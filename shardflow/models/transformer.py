@@ -1,0 +1,216 @@
+"""Decoder transformer (LLaMA 2/3/3.1, Mistral, Qwen2, Qwen3) for one rank's shard.
+
+The model holds exactly the tensors the sharding spec gives its rank: the layers of its pipeline
+stage, each split over tp. Parameter names are the Hugging Face names, so checkpoints, sharding
+and reallocation all agree on them. Communication per layer under tp > 1, forward:
+two all-reduces (after attention, after the MLP); backward: two (before attention, before MLP).
+
+Shapes: B batch, T tokens, H hidden, h local query heads, k local KV heads, d head dim,
+V local vocabulary rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from shardflow.models.config import ModelConfig, rope_inv_freq
+from shardflow.parallel.comm import copy_to_tp
+from shardflow.parallel.sharding import RankShard
+from shardflow.parallel.tensor_parallel import (
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_entropy,
+    vocab_parallel_logprobs,
+)
+
+# attend(layer_index, q [B,h,T,d], k [B,k,T,d], v [B,k,T,d]) -> [B,h,T,d]. The generation engine
+# passes one that reads and writes its KV cache; None means plain causal self-attention.
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal self-attention over right-padded sequences (padding comes after every real token,
+    so a real token never attends to it). ``window``: a token sees at most that many tokens."""
+    T = q.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if window is None or T <= window:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    i = torch.arange(T, device=q.device)
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: RankShard, layer: int, group: ProcessGroup | None):
+        super().__init__()
+        H, d = cfg.hidden_size, cfg.head_dim
+        self.layer, self.group = layer, group
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, d
+        self.window = cfg.sliding_windows[layer]
+        self.q_proj = nn.Linear(H, shard.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(H, shard.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(H, shard.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(shard.num_heads * d, H, cfg.o_bias, group)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        x = copy_to_tp(x, self.group)
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B,T,1,d]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,heads,T,d]
+        if attend is None:
+            out = causal_attention(q, k, v, self.window)
+        else:
+            out = attend(self.layer, q, k, v)
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: RankShard, group: ProcessGroup | None):
+        super().__init__()
+        H, inter = cfg.hidden_size, shard.intermediate_size
+        self.group = group
+        self.gate_proj = nn.Linear(H, inter, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(H, inter, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, H, cfg.mlp_bias, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.group)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: RankShard, layer: int, group: ProcessGroup | None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, shard, layer, group)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, shard, group)
+
+    def forward(self, x, cos, sin, attend: AttendFn | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """One rank's shard: the embedding (first stage), its stage's layers, and the final norm
+    with the LM or value head (last stage)."""
+
+    def __init__(self, cfg: ModelConfig, shard: RankShard, tp_group: ProcessGroup | None):
+        super().__init__()
+        self.cfg, self.shard, self.tp_group = cfg, shard, tp_group
+        self.model = nn.Module()
+        if shard.first_stage:
+            self.model.embed_tokens = VocabParallelEmbedding(shard.vocab_size, cfg.hidden_size,
+                                                             shard.vocab_start, tp_group)
+        self.model.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, shard, i, tp_group) for i in shard.layers})
+        self.lm_head = self.score = None
+        if shard.last_stage:
+            self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            if cfg.value_head:
+                self.score = nn.Linear(cfg.hidden_size, 1, bias=False)
+            elif "lm_head.weight" in shard.tensors:
+                self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        # Real (unpadded) vocabulary rows held here; logits past them are masked to -inf.
+        self.real_vocab = max(0, min(shard.vocab_size, cfg.vocab_size - shard.vocab_start))
+
+    # ----- body -------------------------------------------------------------------------
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq.float()  # [B,T,d/2], float32
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: AttendFn | None = None) -> torch.Tensor:
+        """First stage: token ids [B,T]; later stages: hidden states [B,T,H] from the previous
+        stage. Returns hidden states [B,T,H], normed on the last stage."""
+        h = self.model.embed_tokens(x) if self.shard.first_stage else x
+        cos, sin = self.rope(positions, h.dtype)
+        for layer in self.model.layers.values():
+            h = layer(h, cos, sin, attend)
+        if self.shard.last_stage:
+            h = self.model.norm(h)
+        return h
+
+    # ----- heads (last stage) -----------------------------------------------------------
+
+    def head_weight(self) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        if self.cfg.tie_word_embeddings and self.shard.first_stage:
+            return self.model.embed_tokens.weight
+        raise RuntimeError("this rank holds no LM head (not the last stage, or a value model)")
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Local vocabulary logits [..., V] (vocabulary padding masked to -inf)."""
+        logits = F.linear(copy_to_tp(hidden, self.tp_group), self.head_weight())
+        if self.real_vocab < logits.shape[-1]:
+            pad = torch.arange(logits.shape[-1], device=logits.device) >= self.real_vocab
+            logits = logits.masked_fill(pad, float("-inf"))
+        return logits
+
+    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """log p(targets) [B,T] under softmax(logits / temperature), computed vocab-parallel."""
+        logits = self.logits(hidden)
+        if temperature != 1.0:
+            logits = logits / temperature
+        return vocab_parallel_logprobs(logits, targets, self.shard.vocab_start, self.tp_group)
+
+    def entropy(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        logits = self.logits(hidden)
+        if temperature != 1.0:
+            logits = logits / temperature
+        return vocab_parallel_entropy(logits, self.tp_group)
+
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Scalar per token [B,T] from the value head."""
+        if self.score is None:
+            raise RuntimeError("this rank holds no value head (not the last stage, or an LM)")
+        return self.score(hidden).squeeze(-1)
+
+
+def build_model(cfg: ModelConfig, shard: RankShard, tp_group: ProcessGroup | None,
+                device: torch.device | str, dtype: torch.dtype) -> Transformer:
+    """Construct on the meta device, then allocate uninitialised storage on ``device``
+    (the caller loads weights or initialises them)."""
+    with torch.device("meta"):
+        model = Transformer(cfg, shard, tp_group)
+    model = model.to_empty(device=device).to(dtype)
+    model.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
+    return model

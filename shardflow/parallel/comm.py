@@ -1,0 +1,93 @@
+"""Collectives used by the model, counted, and their autograd forms.
+
+Every collective of the model goes through this module, so that a test can count them
+(``with count_collectives() as counts: ...``) and an accidental extra all-gather fails it.
+A ``group`` of None means a single rank: nothing is communicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+_counters: list[Counter] = []
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[Counter]:
+    """Count collectives issued inside the block, by kind (``all_reduce``, ``all_gather``, ...)."""
+    counter: Counter = Counter()
+    _counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _counters.remove(counter)
+
+
+def _count(kind: str) -> None:
+    for c in _counters:
+        c[kind] += 1
+
+
+def all_reduce(t: torch.Tensor, group: ProcessGroup | None, op: ReduceOp.RedOpType = ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce; returns ``t``."""
+    if group is not None:
+        _count("all_reduce")
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def all_gather(t: torch.Tensor, group: ProcessGroup | None, dim: int = -1) -> torch.Tensor:
+    """Concatenate ``t`` from every rank of the group (in group rank order) along ``dim``."""
+    if group is None:
+        return t
+    _count("all_gather")
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Forward: identity (the input is already replicated on every tp rank).
+    Backward: all-reduce, because each rank's column shard contributes part of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce(grad.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Forward: all-reduce the partial sums of a row-parallel product.
+    Backward: identity (every rank needs the full gradient of the replicated output)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        return all_reduce(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    if group is None or not torch.is_grad_enabled():
+        return x
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    if group is None:
+        return x
+    if not torch.is_grad_enabled():
+        return all_reduce(x, group)  # x is a fresh product: safe to reduce in place
+    return _ReduceFromTP.apply(x, group)
