@@ -203,3 +203,18 @@ def _write_files(directory: Path, shards: list[dict[str, torch.Tensor]], cfg: Mo
     config["dtype"] = str(tensor_dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_model(path: str | Path, layout: Layout, world, dtype: torch.dtype = torch.float32,
+               cfg: ModelConfig | None = None):
+    """Build this rank's shard of the checkpoint at ``path`` in ``layout``.
+
+    Returns ``(model, shard)``. The layout's groups must exist (``world.create_groups``).
+    """
+    from shardflow.models.transformer import build_model
+
+    cfg = cfg or ModelConfig.from_pretrained(path)
+    shard = shard_for(cfg, layout, world.rank)
+    model = build_model(cfg, shard, world.groups.get(layout.tp_group(world.rank)), world.device, dtype)
+    load_weights(model, shard, path)
+    return model, shard

@@ -91,3 +91,16 @@ def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     if not torch.is_grad_enabled():
         return all_reduce(x, group)  # x is a fresh product: safe to reduce in place
     return _ReduceFromTP.apply(x, group)
+
+
+def send(t: torch.Tensor, dst: int) -> None:
+    """Blocking point-to-point send to global rank ``dst`` (pipeline activations and gradients)."""
+    _count("send")
+    dist.send(t.contiguous(), dst=dst)
+
+
+def recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int) -> torch.Tensor:
+    _count("recv")
+    t = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(t, src=src)
+    return t

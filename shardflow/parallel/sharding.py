@@ -145,18 +145,19 @@ def stage_layers(cfg: ModelConfig, pp: int) -> tuple[tuple[int, ...], ...]:
     n = cfg.num_layers
     layer = cfg.layer_params()
     head = cfg.hidden_size if cfg.value_head else cfg.vocab_size * cfg.hidden_size
-    # best[s][i]: minimal max-cost splitting layers [0, i) into s stages (the last ends at i).
-    inf = float("inf")
+    # best[s][i]: (max stage cost, sum of squared stage costs) for layers [0, i) in s stages,
+    # minimised in that order: the slowest stage first, then how even the others are.
+    inf = (float("inf"), float("inf"))
     best = [[inf] * (n + 1) for _ in range(pp + 1)]
     cut = [[0] * (n + 1) for _ in range(pp + 1)]
-    best[0][0] = 0.0
+    best[0][0] = (0.0, 0.0)
     for s in range(1, pp + 1):
         for i in range(s, n + 1):
             for j in range(s - 1, i):
                 cost = (i - j) * layer + (head if s == pp and i == n else 0)
-                value = max(best[s - 1][j], cost)
-                # ties go to the later cut: earlier stages get more layers, the head stage fewer
-                if value <= best[s][i]:
+                prev_max, prev_sq = best[s - 1][j]
+                value = (max(prev_max, cost), prev_sq + cost * cost)
+                if value < best[s][i]:
                     best[s][i], cut[s][i] = value, j
     bounds = [n]
     for s in range(pp, 0, -1):
