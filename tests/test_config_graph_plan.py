@@ -1,0 +1,83 @@
+"""Experiment config loading, the PPO/GRPO graphs, and execution-plan files."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from shardflow.config import load_config
+from shardflow.models.config import ModelConfig
+from shardflow.models.tiny import tiny_hf_config
+from shardflow.parallel.layout import Layout
+from shardflow.plan.execution_plan import CallPlan, ExecutionPlan, check_merge, symmetric_plan
+from shardflow.rl.graph import Call, Graph, Kind
+from shardflow.rl.graphs import build_graph
+
+
+@pytest.fixture
+def base_file(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump({"models": {"actor": {"path": "m"}}, "data": {"path": "d.jsonl"}}))
+    return path
+
+
+def test_overrides_types_and_unknown_keys(base_file):
+    cfg = load_config(base_file, ["algorithm.batch_size=16", "models.actor.optim.lr=1e-5", "generation.temperature=1"])
+    assert cfg.algorithm.batch_size == 16 and cfg.models["actor"].optim.lr == 1e-5
+    assert isinstance(cfg.generation.temperature, float)
+    with pytest.raises(ValueError, match="unknown config key 'algorithm.batch_sise'; did you mean 'algorithm.batch_size'"):
+        load_config(base_file, ["algorithm.batch_sise=3"])
+    with pytest.raises(ValueError, match="'algorithm.batch_size' must be int, got 'abc'"):
+        load_config(base_file, ["algorithm.batch_size=abc"])
+    with pytest.raises(ValueError, match="algorithm.name must be one of grpo, ppo; got 'dpo'"):
+        load_config(base_file, ["algorithm.name=dpo"])
+    with pytest.raises(ValueError, match="models.critic is required"):
+        load_config(base_file, ["algorithm.name=ppo"])
+
+
+def test_graphs_of_ppo_and_grpo(base_file):
+    ppo = build_graph(load_config(base_file, ["algorithm.name=ppo", "algorithm.kl_coef=0.1", "models.critic.path=c",
+                                              "models.ref.path=r"]))
+    assert [c.name for c in ppo.order] == ["actor_gen", "reward_fn", "ref_inf", "critic_inf", "actor_train",
+                                          "critic_train"]
+    assert ppo.trained_models() == ("actor", "critic")
+    assert ppo.dependencies(ppo.call("actor_train")) == ["actor_gen", "reward_fn", "ref_inf", "critic_inf"]
+    grpo = build_graph(load_config(base_file))
+    assert [c.name for c in grpo.order] == ["actor_gen", "reward_fn", "actor_train"]
+
+
+def test_graph_errors_name_the_problem():
+    with pytest.raises(ValueError, match="cycle among calls: a, b"):
+        Graph("g", (Call("a", Kind.INFERENCE, "m", ("y",), ("x",)), Call("b", Kind.INFERENCE, "m", ("x",), ("y",))))
+    with pytest.raises(ValueError, match="reads 'z', which no call or data source provides"):
+        Graph("g", (Call("a", Kind.INFERENCE, "m", ("z",), ("x",)),))
+
+
+def model() -> ModelConfig:
+    return ModelConfig.from_hf_dict(tiny_hf_config("llama").to_dict())
+
+
+def test_plan_round_trip_and_validation(base_file):
+    graph = build_graph(load_config(base_file, ["algorithm.kl_coef=0.1", "models.ref.path=r"]))
+    models = {"actor": model(), "ref": model()}
+    plan = symmetric_plan(graph, 4, tp=2)
+    plan.validate(graph, models, 4)
+    again = ExecutionPlan.from_dict(yaml.safe_load(plan.to_yaml()))
+    assert again.calls == plan.calls
+    with pytest.raises(ValueError, match="uses device\\(s\\) \\[2, 3\\] but only 2 exist"):
+        plan.validate(graph, models, 2)
+    partial = ExecutionPlan({k: v for k, v in plan.calls.items() if k != "ref_inf"})
+    with pytest.raises(ValueError, match="does not cover call\\(s\\) \\['ref_inf'\\]"):
+        partial.validate(graph, models, 4)
+    bad = ExecutionPlan({**plan.calls, "ref_inf": CallPlan(layout=Layout.contiguous(tp=3))})
+    with pytest.raises(ValueError, match="call 'ref_inf' \\(ref\\): tp=3 cannot split 4 attention heads"):
+        bad.validate(graph, models, 4)
+
+
+def test_adaptive_targets_must_merge_replicas():
+    check_merge(Layout.parse("d4p1t1@0-3"), Layout.parse("d2p1t2@0-3"))
+    check_merge(Layout.parse("d2p1t2@0-3"), Layout.parse("d1p1t4@0-3"))
+    with pytest.raises(ValueError, match="not reachable"):
+        check_merge(Layout.parse("d2p1t2@0-3"), Layout.parse("d2p1t2@4-7"))
+    with pytest.raises(ValueError, match="not reachable"):
+        check_merge(Layout.parse("d2p1t1@0-1"), Layout.parse("d2p1t1@0-1"))
