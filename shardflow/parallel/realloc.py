@@ -1,7 +1,8 @@
 """Parameter reallocation: run a transfer plan on gloo or NCCL.
 
 Every rank of the source or destination layout calls ``reallocate`` with its own tensors in each
-layout. Local copies run first; the rest moves point-to-point on the default group, batched:
+layout. What the rank already holds is copied locally (on a side stream under CUDA) while the
+first messages are in flight; the rest moves point-to-point on the default group, batched:
 
 - the transfers between one (src, dst) pair are cut into buckets of at most ``bucket_bytes``;
   inside a bucket, a transfer contiguous at both ends and at least ``direct_min_bytes`` long is
@@ -18,6 +19,7 @@ point-to-point among a subset of ranks may not be a group's first operation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import deque
@@ -245,6 +247,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _copy_local(transfers: tuple[Transfer, ...], src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
+                device: torch.device):
+    """Local copies; on CUDA on a side stream so they overlap the transfers. Returns the stream
+    to join before the tensors are used again (None on CPU, where they ran here)."""
+    stream = None
+    if device.type == "cuda" and transfers:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # destination padding zeroed, etc.
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for t in transfers:
+            t.dst_view(dst[t.name]).copy_(t.src_view(src[t.src_name]))
+    return stream
+
+
 @torch.no_grad()
 def reallocate(world, cfg: ModelConfig, src: Layout, dst: Layout,
                src_params: dict[str, torch.Tensor] | None, dst_params: dict[str, torch.Tensor] | None, *,
@@ -291,22 +307,24 @@ def reallocate(world, cfg: ModelConfig, src: Layout, dst: Layout,
             if ts.padded:
                 n = ts.stop - ts.start
                 t.narrow(ts.dim, n, ts.local_shape[ts.dim] - n).zero_()
-    copied = 0
-    for t in plan.local(me):
-        t.dst_view(dst_params[t.name]).copy_(t.src_view(src_params[t.src_name]))
-        copied += t.numel
-
-    messages = 0
-    in_flight: deque = deque()
-    for rnd in _rounds(plan, me, itemsize, bucket_bytes, direct_min_bytes):
+    rounds = _rounds(plan, me, itemsize, bucket_bytes, direct_min_bytes)
+    messages, in_flight, side = 0, deque(), None
+    for i, rnd in enumerate(rounds):
         in_flight.append(_post(rnd, src_params, dst_params, dtype, world.device))
         messages += sum(len(m) for _, m in rnd.sends) + sum(len(m) for _, m in rnd.recvs)
+        if i == 0:  # the first round is on its way: copy what this rank already holds meanwhile
+            side = _copy_local(plan.local(me), src_params, dst_params, world.device)
         if len(in_flight) == ROUNDS_IN_FLIGHT:
             works, unpack, _ = in_flight.popleft()
             _finish(works, unpack, dst_params)
+    if not rounds:
+        side = _copy_local(plan.local(me), src_params, dst_params, world.device)
     while in_flight:
         works, unpack, _ = in_flight.popleft()
         _finish(works, unpack, dst_params)
+    if side is not None:
+        torch.cuda.current_stream(world.device).wait_stream(side)
+    copied = sum(t.numel for t in plan.local(me))
     if release_src:
         release_storage(src_params.values())
     _sync(world.device)
