@@ -35,7 +35,7 @@ from shardflow.parallel.offload import has_storage, regrow_storage, release_stor
 from shardflow.parallel.realloc_plan import Transfer, TransferPlan, transfer_plan
 from shardflow.parallel.sharding import shard_for
 
-BUCKET_BYTES = 128 << 20  # packed bytes per peer per round; two rounds are in flight
+BUCKET_BYTES = 128 << 20  # bytes per peer and direction in one round (two rounds are in flight)
 DIRECT_MIN_BYTES = 1 << 20  # a contiguous slice at least this long skips packing
 ROUNDS_IN_FLIGHT = 2
 
