@@ -104,3 +104,22 @@ def recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: 
     t = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(t, src=src)
     return t
+
+
+def batch_isend_irecv(sends: list[tuple[torch.Tensor, int]],
+                      recvs: list[tuple[torch.Tensor, int]]) -> list[dist.Work]:
+    """Post ``(tensor, global peer)`` sends and receives as one batch on the default group.
+
+    Nothing in a batch waits on another part of it (NCCL runs it as one group, gloo posts every
+    operation before any wait), so two ranks may send to each other at once. Messages between
+    one pair in one direction match in posting order. Counted as ``isend`` / ``irecv``; returns
+    the requests to wait on.
+    """
+    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+    if not ops:
+        return []
+    for kind, items in (("isend", sends), ("irecv", recvs)):
+        for _ in items:
+            _count(kind)
+    return dist.batch_isend_irecv(ops)
