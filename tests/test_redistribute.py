@@ -127,3 +127,16 @@ def test_bad_input_is_named_before_communicating():
         redistribute(world, make_batch(0, 2), one, Layout((0, 2), dp=2))
     with pytest.raises(ValueError, match="keep_together field 'nope' is not a sequence or meta field"):
         redistribute(world, make_batch(0, 2), one, Layout((0, 1), dp=2), keep_together="nope")
+
+
+def test_assignment_depends_only_on_the_samples_not_their_holders():
+    """Outputs of different producers (other holders, other order) for the same samples must land
+    on the same replicas, so that a call's inputs can be joined by sample id."""
+    ids = list(range(12))
+    lengths = {i: 3 + (i * 7) % 5 for i in ids}
+    a = [ids[:5], ids[5:]]
+    b = [ids[9:], ids[3:9][::-1], ids[:3]]
+    def replicas_of(split):
+        shares = assign_shares([[lengths[i] for i in row] for row in split], 3, ids=split)
+        return {split[h][i]: j for j, share in enumerate(shares) for h, i in share}
+    assert replicas_of(a) == replicas_of(b)

@@ -48,12 +48,16 @@ def redistribute_groups(src: Layout, dst: Layout) -> list[tuple[int, ...]]:
 
 
 def assign_shares(lengths: Sequence[Sequence[int]], num_replicas: int,
-                  keys: Sequence[Sequence[Hashable]] | None = None) -> list[list[tuple[int, int]]]:
+                  keys: Sequence[Sequence[Hashable]] | None = None,
+                  ids: Sequence[Sequence[int]] | None = None) -> list[list[tuple[int, int]]]:
     """Sequences ``(holder, index)`` for each destination replica, balanced by tokens.
 
     ``lengths[h][i]``: tokens of holder h's sequence i. Sequences sharing a ``keys[h][i]`` value
     travel together. Units are placed largest first onto the replica with the fewest tokens (ties:
     fewest sequences, then lowest index), so replica loads differ by at most the largest unit.
+    With ``ids`` (sample ids), ties between units break by their smallest sample id instead of
+    their position, so the assignment depends only on the set of (sample id, length): batches of
+    the same samples coming from different producers land on the same replicas.
     Each share is in global order (holder, index).
     """
     units: dict[Hashable, list[tuple[int, int]]] = {}
@@ -62,9 +66,10 @@ def assign_shares(lengths: Sequence[Sequence[int]], num_replicas: int,
             units.setdefault(("key", keys[h][i]) if keys is not None else ("seq", h, i), []).append((h, i))
     members = list(units.values())
     tokens = [sum(lengths[h][i] for h, i in m) for m in members]
+    order = [min(ids[h][i] for h, i in m) for m in members] if ids is not None else list(range(len(members)))
     load, count = [0] * num_replicas, [0] * num_replicas
     shares: list[list[tuple[int, int]]] = [[] for _ in range(num_replicas)]
-    for u in sorted(range(len(members)), key=lambda u: (-tokens[u], u)):
+    for u in sorted(range(len(members)), key=lambda u: (-tokens[u], order[u])):
         j = min(range(num_replicas), key=lambda j: (load[j], count[j], j))
         load[j] += tokens[u]
         count[j] += len(members[u])
@@ -196,7 +201,7 @@ def redistribute(world, batch: SequenceBatch | None, src: Layout, dst: Layout, *
 
     # Step 2: the same assignment on every rank.
     keys = [h.keys for h in headers] if keep_together is not None else None
-    shares = assign_shares([h.lengths for h in headers], dst.dp, keys)
+    shares = assign_shares([h.lengths for h in headers], dst.dp, keys, [h.sample_ids for h in headers])
 
     # Step 3: holders send each consumer rank its replica's part; consumers receive from every holder.
     sends, recvs, pieces = [], [], {}
