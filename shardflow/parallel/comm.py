@@ -42,6 +42,14 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup | None, op: ReduceOp.RedOpTy
     return t
 
 
+def all_reduce_async(t: torch.Tensor, group: ProcessGroup | None) -> dist.Work | None:
+    """Start an in-place sum over the group; returns the handle to ``wait()`` on (None: no group)."""
+    if group is None:
+        return None
+    _count("all_reduce")
+    return dist.all_reduce(t, group=group, async_op=True)
+
+
 def all_gather(t: torch.Tensor, group: ProcessGroup | None, dim: int = -1) -> torch.Tensor:
     """Concatenate ``t`` from every rank of the group (in group rank order) along ``dim``."""
     if group is None:
@@ -104,3 +112,28 @@ def recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: 
     t = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(t, src=src)
     return t
+
+
+def exchange(sends: list[tuple[torch.Tensor, int]],
+             recvs: list[tuple[tuple[int, ...], torch.dtype, torch.device, int]],
+             group: ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Post every send ``(tensor, dst)`` and receive ``(shape, dtype, device, src)`` together, then
+    wait for all of them; returns the received tensors in order.
+
+    Posting both directions at once is what keeps a pipeline schedule deadlock-free: two stages
+    that each send to the other before receiving would block forever with ``send``/``recv``.
+    Peers are global ranks; ``group`` (e.g. the pipeline group) must contain them.
+    """
+    ops, received = [], []
+    for t, dst in sends:
+        _count("send")
+        ops.append(dist.P2POp(dist.isend, t.contiguous(), dst, group))
+    for shape, dtype, device, src in recvs:
+        _count("recv")
+        t = torch.empty(shape, dtype=dtype, device=device)
+        ops.append(dist.P2POp(dist.irecv, t, src, group))
+        received.append(t)
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return received
