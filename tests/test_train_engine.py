@@ -32,6 +32,8 @@ CASES = {
                                      "d2p2t2@0-7", "d1p4t2@0-7", "d1p2t2@0-3+gc"]),
     # q/k norms (partial gradients over tp) and a tied embedding split over pipeline stages.
     "qwen3_qknorm": (dict(family="qwen3", tie_word_embeddings=True), ["d1p2t2@0-3", "d2p2t1@0-3", "d1p1t4@0-3"]),
+    # q/k/v biases (replicated KV heads' biases are partial too) and a vocabulary padded for tp=4.
+    "qwen2_bias": (dict(family="qwen2", vocab_size=130), ["d1p1t4@0-3", "d2p2t2@0-7"]),
     "llama_value": (dict(family="llama", value_head=True), ["d1p2t2@0-3", "d2p1t1@0-1"]),
 }
 

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardflow.batch import SequenceBatch
 from shardflow.engine.micro_batches import split_by_tokens
 from shardflow.engine.optimizer import AdamW, OptimConfig, lr_at
 from shardflow.engine.train import TrainEngine
@@ -137,3 +138,23 @@ def test_bf16_model_keeps_float32_master_weights(checkpoints):
         unchanged += int((p.detach().float() == before[name]).sum())
         total += p.numel()
     assert unchanged > 0.9 * total  # bf16 alone would have lost nearly every update
+
+
+def test_bad_step_input_is_named(checkpoints):
+    world = World(rank=0, size=1, device=torch.device("cpu"), backend="gloo")
+    layout = Layout((0,))
+    model, _ = load_model(checkpoints.get("llama", "llama"), layout, world)
+    with pytest.raises(ValueError, match="built for rank 0 of d1p1t1@0, not rank 0 of d1p1t1@1"):
+        TrainEngine(model, Layout((1,)), world, OptimConfig())
+    engine = TrainEngine(model, layout, world, OptimConfig())
+    batch = make_batch(128)
+    with pytest.raises(ValueError, match="empty batch"):
+        engine.step(batch.select([]), TokenLoss(), micro_batch_tokens=64)
+    with pytest.raises(ValueError, match="lacks token field 'input_ids'"):
+        engine.step(SequenceBatch(batch.sample_ids, batch.lengths), TokenLoss(), micro_batch_tokens=64)
+    with pytest.raises(ValueError, match="more than the micro-batch budget of 8 tokens"):
+        engine.step(batch, TokenLoss(), micro_batch_tokens=8)
+    no_response = batch.update({"loss_mask": torch.zeros(batch.num_tokens)})
+    with pytest.raises(ValueError, match="loss normalizer summed over replicas is 0.0"):
+        engine.step(no_response, TokenLoss(), micro_batch_tokens=64)
+    assert engine.step_count == 0
