@@ -267,6 +267,28 @@ def shard_for(cfg: ModelConfig, layout: Layout, rank: int) -> RankShard:
     )
 
 
+@lru_cache(maxsize=4096)
+def unique_tensors(cfg: ModelConfig, layout: Layout, rank: int) -> frozenset[str]:
+    """Tensors whose local slice this rank counts when every distinct element of one replica's
+    model must be counted once (e.g. a gradient norm).
+
+    A slice held by several tp ranks of the stage (replicated norms, KV heads shared when tp
+    exceeds the KV heads) counts on the lowest such tp index; a tied head's copy never counts
+    (the embedding does).
+    """
+    mine = shard_for(cfg, layout, rank)
+    c = mine.coord
+    lower = [shard_for(cfg, layout, layout.rank_at(c.pp, c.dp, t)) for t in range(c.tp)]  # lower tp indices
+    unique = set()
+    for name, ts in mine.tensors.items():
+        if ts.name != ts.source:
+            continue
+        key = (ts.dim, ts.start, ts.stop)
+        if all((p.tensors[name].dim, p.tensors[name].start, p.tensors[name].stop) != key for p in lower):
+            unique.add(name)
+    return frozenset(unique)
+
+
 def checkpoint_tensor_names(cfg: ModelConfig) -> list[str]:
     """Names of every tensor a full checkpoint of this model holds, in a stable order."""
     names = list(shard_for(cfg, Layout((0,)), 0).tensors)
