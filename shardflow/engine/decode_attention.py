@@ -63,7 +63,7 @@ if triton is not None:
                       scale_log2, window,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -84,6 +84,8 @@ if triton is not None:
         heads = kvh * GROUP + offs_h
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+        if UPCAST:
+            q = q.to(tl.float32)
         k_base = K + slot * stride_ks + kvh * stride_kh
         v_base = V + slot * stride_vs + kvh * stride_vh
 
@@ -95,6 +97,8 @@ if triton is not None:
             mask_n = pos < hi
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(k_base + pos[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_H, BLOCK]
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -102,6 +106,8 @@ if triton is not None:
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + pos[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
@@ -146,8 +152,10 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     row_sum = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
     out = torch.empty(B, H, d, dtype=q.dtype, device=q.device)
     block_d = max(16, triton.next_power_of_2(d))
-    # fp32 caches (tests, parity checks) take exact fp32 products, not TF32.
+    # fp32 caches (tests, parity checks) take exact fp32 products, not TF32. Triton's CPU
+    # interpreter cannot multiply bf16 tiles, so there they are upcast to fp32 first.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    upcast = q.device.type != "cuda"
     _split_kernel[(B, K, splits)](
         q, k_cache, v_cache, slots, lengths, acc, row_max, row_sum,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -155,7 +163,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0), row_max.stride(1),
         (1.0 / math.sqrt(d)) * math.log2(math.e), window or 0,
         GROUP=group, HEAD_DIM=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, BLOCK=BLOCK_N, PRECISION=precision, num_warps=4, num_stages=2,
+        BLOCK_D=block_d, BLOCK=BLOCK_N, PRECISION=precision, UPCAST=upcast, num_warps=4, num_stages=2,
     )
     _merge_kernel[(B, H)](
         acc, row_max, row_sum, out, acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0),
