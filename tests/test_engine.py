@@ -8,7 +8,7 @@ import torch
 from gen_helpers import hf_greedy, hf_logprobs, local_model, prompts
 from shardflow.engine.generate import Engine, EngineConfig
 from shardflow.engine.kv_cache import KVCache, bytes_per_slot
-from shardflow.engine.requests import Request, SamplingParams, derive_seed, make_requests
+from shardflow.engine.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
 from shardflow.models.config import ModelConfig
 from shardflow.models.transformer import build_model
 from shardflow.parallel.layout import Layout
@@ -88,6 +88,39 @@ def test_a_moved_request_recomputes_its_cache_and_continues(llama):
     for r in (moved, fresh):
         assert r.output_ids == expected
         torch.testing.assert_close(torch.tensor(r.output_logprobs), lp, atol=1e-4, rtol=0)
+
+
+def test_evicted_requests_continue_in_another_engine(llama):
+    """Mid-decode, requests leave one engine with their state and finish in another (the
+    recompute path of adaptive TP): the tokens are those of an uninterrupted run."""
+    path, model = llama
+    ids = prompts()[:3]
+    params = [SamplingParams(max_new_tokens=9, **GREEDY), SamplingParams(max_new_tokens=9, temperature=1.0, seed=4)]
+    reference = make_requests(ids, params + params[:1], 2)
+    Engine(model, EngineConfig(max_seq_len=64), eos_token_ids=()).generate(reference)
+
+    first = Engine(model, EngineConfig(max_seq_len=64, max_batch_size=4), eos_token_ids=())
+    requests = make_requests(ids, params + params[:1], 2)
+    first.submit(requests)
+    for _ in range(4):
+        first.step()
+    moved = first.evict()
+    assert sorted(r.request_id for r in moved) == list(range(6)) and not first.busy
+    assert first.cache.num_free == 4 and any(r.output_ids for r in moved) and any(not r.output_ids for r in moved)
+    Engine(model, EngineConfig(max_seq_len=64), eos_token_ids=()).generate(moved)
+    for r, ref in zip(requests, reference):
+        assert r.output_ids == ref.output_ids and r.finish_reason == ref.finish_reason
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), torch.tensor(ref.output_logprobs), atol=1e-4,
+                                   rtol=0)
+
+    batch = to_sequence_batch(requests)
+    r = requests[3]
+    rows = slice(int(batch.offsets[3]), int(batch.offsets[4]))
+    assert batch.token_fields["input_ids"][rows].tolist() == r.prompt_ids + r.output_ids
+    assert batch.seq_fields["prompt_lengths"][3] == len(r.prompt_ids)
+    assert batch.token_fields["loss_mask"][rows].sum() == len(r.output_ids)
+    assert batch.token_fields["logprobs"][rows][len(r.prompt_ids):].tolist() == r.output_logprobs
+    assert batch.meta["finish_reason"][3] == "length"
 
 
 def test_kv_cache_budget_slots_and_prefix_copy():

@@ -82,7 +82,8 @@ class GraphedDecode:
                 self.step(ints, floats, mode)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA calls of other threads (the NCCL watchdog) do not break the capture.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self.step(ints, floats, mode)
         self.pool = graph.pool()
         self.graphs[(n, mode)], self.outputs[(n, mode)] = graph, out

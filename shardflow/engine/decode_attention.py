@@ -28,7 +28,7 @@ except ImportError:  # the plain path needs no Triton
     triton = None
 
 BLOCK_N = 64  # cache positions per inner step
-MAX_SPLITS = 64
+MAX_SPLITS = 32
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -48,9 +48,10 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Splits of each request's positions: enough programs to fill the GPU about twice."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    want = math.ceil(2 * sms / max(1, batch * kv_heads))
+    """Splits of each request's positions: about four programs per SM, so that the last wave of
+    programs is a small part of the work."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = math.ceil(4 * sms / max(1, batch * kv_heads))
     return max(1, min(want, MAX_SPLITS, math.ceil(max_len / BLOCK_N)))
 
 
@@ -142,9 +143,10 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """Same contract as ``decode_attention_torch``; GPU (or ``TRITON_INTERPRET=1`` on CPU)."""
     if triton is None:
         raise RuntimeError("the Triton decode attention needs the triton package")
+    q = q.contiguous()  # a no-op for the model's q; a compiled graph may lay it out otherwise
     B, H, d = q.shape
     _, K, M, _ = k_cache.shape
-    assert H % K == 0 and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert H % K == 0 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     group = H // K
     splits = num_splits(B, K, M, q.device)
     acc = torch.empty(B, H, splits, d, dtype=torch.float32, device=q.device)
@@ -182,7 +184,7 @@ def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 @decode_attention_op.register_fake
 def _(q, k_cache, v_cache, slots, lengths, window):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, like the real output
 
 
 def _triton_via_op(q, k_cache, v_cache, slots, lengths, window):

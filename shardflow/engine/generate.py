@@ -2,7 +2,8 @@
 
 Every tp rank of a replica runs the same loop on the same requests and takes the same decisions,
 because they depend only on data every rank holds identically (the requests and the sampled
-tokens, which ``sampling.sample`` makes identical across tp). Per loop iteration:
+tokens, which ``sampling.sample`` makes identical across tp). ``submit`` queues requests; each
+``step`` does:
 
 1. admit waiting requests into free KV slots, first come first served; the samples of one prompt
    are admitted together (at most ``num_slots`` at a time) and share one prefill;
@@ -12,8 +13,9 @@ tokens, which ``sampling.sample`` makes identical across tp). Per loop iteration
    back (the one host synchronisation per step);
 4. retire finished requests at once, freeing their slots, so the active batch shrinks.
 
-A request that arrives with generated tokens already (moved from another engine) is prefilled
-with ``prompt + output[:-1]`` (recomputing its KV) and continues decoding from its last token.
+``generate`` steps until every request is done. ``evict`` takes unfinished requests out with
+their state; a request that arrives with generated tokens already (moved from another engine) is
+prefilled with ``prompt + output[:-1]`` (recomputing its KV) and continues from its last token.
 """
 
 from __future__ import annotations
@@ -88,20 +90,24 @@ class Engine:
             raise ValueError("compile is implemented for tp=1 only; run tp > 1 without it")
         self._step_fn = torch.compile(self._step) if config.compile else self._step
         self.stats = GenerationStats()
+        self.waiting: deque[list[Request]] = deque()  # prefill units waiting for free slots
+        self.active: list[Request] = []  # requests holding a slot, in admission order
         self.cache: KVCache | None = None
         self.reset_cache()
 
     # ----- memory ------------------------------------------------------------------------------
 
     def reset_cache(self, *, max_seq_len: int | None = None, kv_cache_bytes: int | None = None) -> None:
-        """(Re)allocate the KV cache (between ``generate`` calls); drops captured graphs."""
+        """(Re)allocate the KV cache while no request holds a slot; drops captured graphs."""
+        if self.active:
+            raise RuntimeError("cannot reallocate the KV cache while requests hold slots; evict them first")
         cfg, shard, config = self.model.cfg, self.model.shard, self.config
         self.max_seq_len = max_seq_len or config.max_seq_len or cfg.max_position_embeddings
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's max_position_embeddings="
                              f"{cfg.max_position_embeddings}")
         max_len = self.max_seq_len - 1  # the last token of a full sequence is never fed back
-        self.cache = self.decode = None  # free the old cache (and graphs holding it) first
+        self.release_cache()
         budget = kv_cache_bytes or config.kv_cache_bytes or self._default_budget(max_len)
         self.cache = KVCache.for_model(cfg, shard, budget_bytes=budget, max_len=max_len,
                                        max_slots=config.max_batch_size, dtype=self.dtype, device=self.device)
@@ -115,11 +121,16 @@ class Engine:
         else:
             self.decode = self._eager_decode
 
+    def release_cache(self) -> None:
+        """Free the KV cache and the graphs that read it (``reset_cache`` makes a new one)."""
+        self.cache = self.decode = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _default_budget(self, max_len: int) -> int:
         cfg, shard, config = self.model.cfg, self.model.shard, self.config
         if self.device.type != "cuda":
             return (config.max_batch_size + 1) * bytes_per_slot(shard, cfg, max_len, self.dtype)
-        torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(self.device)
         item = torch.empty((), dtype=self.dtype).element_size()
         # Room for prefill activations and for sampling over [batch, vocabulary] in float32.
@@ -147,6 +158,13 @@ class Engine:
     def generate(self, requests: Sequence[Request],
                  on_finish: Callable[[Request], None] | None = None) -> Sequence[Request]:
         """Run ``requests`` to completion (in place); ``on_finish`` is called as each one ends."""
+        self.submit(requests)
+        while self.busy:
+            self.step(on_finish)
+        return requests
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        """Queue requests (fresh, or carrying generated tokens from elsewhere) for admission."""
         for r in requests:
             if r.done or r.slot is not None:
                 raise ValueError(f"request {r.request_id} is already finished or admitted elsewhere")
@@ -155,23 +173,39 @@ class Engine:
             if r.num_tokens >= self.max_seq_len:
                 raise ValueError(f"request {r.request_id}: {r.num_tokens} tokens leave no room to generate "
                                  f"under max_seq_len={self.max_seq_len}")
-        waiting = deque(self._prefill_units(requests))
-        active: list[Request] = []
-        while waiting or active:
-            admitted = []
-            while waiting and len(waiting[0]) <= self.cache.num_free:
-                unit = waiting.popleft()
-                for r, slot in zip(unit, self.cache.allocate(len(unit))):
-                    r.slot = slot
-                admitted.append(unit)
-            assert admitted or active, "a prefill unit larger than the cache"
-            if admitted:
-                self._prefill(admitted)
-                active += [r for unit in admitted for r in unit]
-                active = self._retire(active, on_finish)
-            if active:
-                self._decode_step(active)
-                active = self._retire(active, on_finish)
+        self.waiting.extend(self._prefill_units(requests))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    @torch.no_grad()
+    def step(self, on_finish: Callable[[Request], None] | None = None) -> None:
+        """One iteration: admit and prefill what fits, then one decode step over the active batch."""
+        admitted = []
+        while self.waiting and len(self.waiting[0]) <= self.cache.num_free:
+            unit = self.waiting.popleft()
+            for r, slot in zip(unit, self.cache.allocate(len(unit))):
+                r.slot = slot
+            admitted.append(unit)
+        assert admitted or self.active or not self.waiting, "a prefill unit larger than the cache"
+        if admitted:
+            self._prefill(admitted)
+            self.active += [r for unit in admitted for r in unit]
+            self._retire(on_finish)
+        if self.active:
+            self._decode_step(self.active)
+            self._retire(on_finish)
+
+    def evict(self) -> list[Request]:
+        """Take out every unfinished request, active ones first, and free their slots. Their tokens,
+        log-probabilities and seeds stay with them; their KV does not (``cached_len`` drops to 0),
+        so submitting them to any engine recomputes it and continues where they stopped."""
+        requests = self.active + [r for unit in self.waiting for r in unit]
+        for r in self.active:
+            self.cache.release(r.slot)
+            r.slot, r.cached_len = None, 0
+        self.active, self.waiting = [], deque()
         return requests
 
     def _prefill_units(self, requests: Sequence[Request]) -> list[list[Request]]:
@@ -252,9 +286,10 @@ class Engine:
         stop = frozenset(r.params.stop_token_ids)
         return stop if r.params.ignore_eos else stop | self.eos_token_ids
 
-    def _retire(self, active: list[Request], on_finish: Callable[[Request], None] | None) -> list[Request]:
+    def _retire(self, on_finish: Callable[[Request], None] | None) -> None:
+        """Free the slots of finished requests at once: the active batch shrinks."""
         still = []
-        for r in active:
+        for r in self.active:
             if not r.done:
                 still.append(r)
                 continue
@@ -262,7 +297,7 @@ class Engine:
             r.slot, r.cached_len = None, 0
             if on_finish is not None:
                 on_finish(r)
-        return still
+        self.active = still
 
 
 def _prefill_ids(r: Request) -> list[int]:

@@ -13,6 +13,10 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import torch
+
+from shardflow.batch import SequenceBatch
+
 # Why a request ended.
 STOP = "stop"  # produced an EOS or stop token (included in the output)
 LENGTH = "length"  # produced max_new_tokens tokens
@@ -107,3 +111,21 @@ def make_requests(prompts: Sequence[Sequence[int]], params: SamplingParams | Seq
             requests.append(Request(request_id=len(requests), group=i, prompt_ids=[int(t) for t in ids],
                                     params=p, seed=derive_seed(p.seed, i, j)))
     return requests
+
+
+def to_sequence_batch(requests: Sequence[Request]) -> SequenceBatch:
+    """Finished requests as the RL batch: whole sequences (prompt + completion) in
+    ``input_ids``, ``loss_mask`` 1.0 on completion tokens, and ``logprobs`` aligned to the token
+    they are about (``logprobs[t] = log p(ids[t] | ids[:t])``, 0 on prompt tokens);
+    ``prompt_lengths`` per sequence, ``finish_reason`` in meta; sample ids are the request ids."""
+    if any(not r.done for r in requests):
+        raise ValueError("only finished requests make a batch")
+    prompt = [len(r.prompt_ids) for r in requests]
+    ids = [torch.tensor(r.prompt_ids + r.output_ids, dtype=torch.long) for r in requests]
+    mask = [torch.cat([torch.zeros(p), torch.ones(len(r.output_ids))]) for p, r in zip(prompt, requests)]
+    logprobs = [torch.cat([torch.zeros(p), torch.tensor(r.output_logprobs, dtype=torch.float32)])
+                for p, r in zip(prompt, requests)]
+    return SequenceBatch.from_lists(
+        [r.request_id for r in requests], {"input_ids": ids, "loss_mask": mask, "logprobs": logprobs},
+        seq_fields={"prompt_lengths": torch.tensor(prompt, dtype=torch.long)},
+        meta={"finish_reason": [r.finish_reason for r in requests]})
