@@ -58,7 +58,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples-per-prompt", type=int, default=1)
     p.add_argument("--max-seq-len", type=int, default=None,
-                   help="context limit for prompt + completion (default: the model's)")
+                   help="context limit for prompt + completion; sizes each KV slot (default: the longest "
+                        "prompt plus --max-new-tokens, within the model's limit)")
     p.add_argument("--max-batch-size", type=int, default=256, help="requests decoded at once per replica")
     p.add_argument("--chunk-prompts", type=int, default=1024, help="prompts per chunk written together")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
@@ -85,10 +86,9 @@ def prepare(args: argparse.Namespace) -> Job:
         raise ValueError(f"{model} is a value model ({cfg.architecture}); it cannot generate")
     if args.samples_per_prompt < 1 or args.chunk_prompts < 1:
         raise ValueError("--samples-per-prompt and --chunk-prompts must be positive")
-    engine = EngineConfig(max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size, compile=args.compile)
-    max_seq_len = args.max_seq_len or cfg.max_position_embeddings
-    if max_seq_len > cfg.max_position_embeddings:
-        raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings "
+    limit = args.max_seq_len or cfg.max_position_embeddings
+    if limit > cfg.max_position_embeddings:
+        raise ValueError(f"--max-seq-len {limit} exceeds the model's max_position_embeddings "
                          f"({cfg.max_position_embeddings})")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
@@ -96,8 +96,11 @@ def prepare(args: argparse.Namespace) -> Job:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    records, prompts = read_prompts(Path(args.input), tokenizer, max_seq_len)
+    records, prompts = read_prompts(Path(args.input), tokenizer, limit)
     requests = make_requests(prompts, params, args.samples_per_prompt)
+    # Every KV slot holds max_seq_len positions: no more than the longest request can use.
+    max_seq_len = min(limit, max(len(p) for p in prompts) + args.max_new_tokens)
+    engine = EngineConfig(max_seq_len=max_seq_len, max_batch_size=args.max_batch_size, compile=args.compile)
     return Job(model=str(model), layout=str(layout), output=args.output, dtype=args.dtype, engine=engine,
                records=records, requests=requests, samples_per_prompt=args.samples_per_prompt,
                chunk_prompts=args.chunk_prompts)
