@@ -20,24 +20,29 @@ pytest.importorskip("triton")
 
 
 def check_kernel() -> None:
-    from shardflow.engine.decode_attention import decode_attention_triton
+    from shardflow.engine.decode_attention import decode_attention_triton, num_splits
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    cpu = torch.device("cpu")
+    assert num_splits(5, 2, 300, cpu) == 2 and num_splits(5, 1, 300, cpu) == 4 and num_splits(8, 2, 300, cpu) == 1
     g = torch.Generator().manual_seed(0)
-    # (query heads, KV heads, head dim, dtype, window): GQA groups of 2, 3 (not a power of two)
-    # and 8; a head dim that is not a power of two; bf16 as on the GPU; sliding windows.
-    cases = [(4, 2, 16, torch.float32, None), (6, 2, 24, torch.float32, 16), (8, 1, 32, torch.bfloat16, 100)]
-    lengths = torch.tensor([1, 64, 65, 300, 137])  # one position, exact and partial blocks, many splits
-    slots = torch.tensor([2, 0, 5, 3, 1])
-    for H, K, d, dtype, window in cases:
-        kc = torch.randn(6, K, 300, d, generator=g).to(dtype)
-        vc = torch.randn(6, K, 300, d, generator=g).to(dtype)
-        q = torch.randn(5, H, 8, d, generator=g).to(dtype)[:, :, 3]  # strided like the model's q
+    # (query heads, KV heads, head dim, dtype, window, rows): GQA groups of 2, 3 (not a power of
+    # two) and 8; a head dim that is not a power of two; bf16 as on the GPU; sliding windows; rows
+    # giving several splits per request, and (8 rows x 2 KV heads) a single split.
+    cases = [(4, 2, 16, torch.float32, None, 5), (6, 2, 24, torch.float32, 16, 5),
+             (8, 1, 32, torch.bfloat16, 100, 5), (4, 2, 16, torch.float32, None, 8)]
+    for H, K, d, dtype, window, rows in cases:
+        # one position, exact and partial blocks, and a full slot; any slot order
+        lengths = torch.tensor([1, 64, 65, 300, 137, 2, 90, 299])[:rows]
+        slots = torch.tensor([2, 0, 5, 3, 1, 7, 6, 4])[:rows]
+        kc = torch.randn(8, K, 300, d, generator=g).to(dtype)
+        vc = torch.randn(8, K, 300, d, generator=g).to(dtype)
+        q = torch.randn(rows, H, 8, d, generator=g).to(dtype)[:, :, 3]  # strided like the model's q
         got = decode_attention_triton(q, kc, vc, slots, lengths, window).float()
         want = decode_attention_torch(q.float(), kc.float(), vc.float(), slots, lengths, window)
         # fp32: only the summation order differs; bf16: the output is rounded to bf16.
         atol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"{H} {K} {d} {dtype} {window}")
+        torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"{H} {K} {d} {dtype} {window} {rows}")
 
 
 def check_engine(path: str) -> None:

@@ -10,6 +10,7 @@ from shardflow.engine.generate import Engine, EngineConfig
 from shardflow.engine.replicas import generate_replicated
 from shardflow.engine.requests import SamplingParams, make_requests
 from shardflow.models.checkpoint import load_model
+from shardflow.parallel import comm
 from shardflow.parallel.layout import Layout
 
 # (dp, tp) = (1,1), (1,2), (2,1), (2,2), and tp=4 over the tiny models' 2 KV heads.
@@ -89,7 +90,34 @@ def test_sampled_tokens_do_not_depend_on_layout_or_batch(pool, checkpoints):
         for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(results[layout], reference):
             assert tokens == ref_tokens, layout
             torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=LOGPROB_ATOL, rtol=0)
-    # Prompt 1 alone (same prompt index, so the same derived seeds) on one rank, then under tp=2.
+    # Prompts 0-1 without the others (same prompt indices, so the same derived seeds).
     alone = merged(pool, path, ["d1p1t1@0", "d1p1t2@2-3"], ids[:2], params[:2], 3, dict(max_seq_len=64))
     for layout in alone:
         assert [t for t, _, _ in alone[layout][3:6]] == [t for t, _, _ in reference[3:6]], layout
+
+
+def collectives_job(world, path: str):
+    layout = Layout.parse("d1p1t2@0-1")
+    world.create_groups([layout])
+    if world.rank not in layout:
+        return None
+    model, _ = load_model(path, layout, world)
+    engine = Engine(model, EngineConfig(max_seq_len=32), eos_token_ids=())
+    counts = {}
+    for name, params in (("greedy", dict(temperature=0.0)), ("top_k", dict(temperature=1.0, top_k=5))):
+        engine.submit(make_requests(prompts()[:2], SamplingParams(max_new_tokens=4, **params)))
+        engine.step()  # admission, prefill and a first decode step
+        with comm.count_collectives() as counted:
+            engine.step()  # a decode step only
+        counts[name] = dict(counted)
+        engine.generate([])
+    return counts
+
+
+def test_collectives_per_decode_step(pool, checkpoints):
+    """tp=2 decode step: the model's all-reduces (embedding, two per layer) and one all-gather
+    for sampling (candidates, or the logits when top-k/top-p is on)."""
+    path = checkpoints.get("llama", "llama")
+    counts = pool.run(collectives_job, path)[0]
+    layers = 4
+    assert counts["greedy"] == counts["top_k"] == {"all_reduce": 1 + 2 * layers, "all_gather": 1}
