@@ -46,10 +46,6 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
 
 @dataclass(kw_only=True, eq=False)
 class Request:
