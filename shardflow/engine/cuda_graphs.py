@@ -59,14 +59,20 @@ class GraphedDecode:
         batch = ints.shape[1]
         n = self.bucket(batch)
         key = (n, mode)
-        if key not in self.graphs:
-            self._capture(n, mode)
+        self.capture(n, mode)
         pad_ints, pad_floats = dummy_rows(self.scratch_slot, n - batch)
         self.ints[:, :n].copy_(torch.cat([ints, pad_ints], 1))
         self.floats[:, :n].copy_(torch.cat([floats, pad_floats], 1))
         self.graphs[key].replay()
         tokens, logprobs = self.outputs[key]
         return tokens[:batch], logprobs[:batch]
+
+    def capture(self, n: int, mode: str) -> bool:
+        """Capture the graph of bucket ``n`` and ``mode`` unless it exists; True if it was captured."""
+        if (n, mode) in self.graphs:
+            return False
+        self._capture(n, mode)
+        return True
 
     def _capture(self, n: int, mode: str) -> None:
         # Warm up (and let torch.compile, if used, compile) on dummy rows only: they write the

@@ -16,6 +16,8 @@ tokens, which ``sampling.sample`` makes identical across tp). ``submit`` queues 
 ``generate`` steps until every request is done. ``evict`` takes unfinished requests out with
 their state; a request that arrives with generated tokens already (moved from another engine) is
 prefilled with ``prompt + output[:-1]`` (recomputing its KV) and continues from its last token.
+``detach`` and ``adopt`` move requests whose KV stays where it is: between engines that decode
+into views of the same cache memory (adaptive tensor parallelism).
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ class GenerationStats:
 
 class Engine:
     def __init__(self, model: Transformer, config: EngineConfig = EngineConfig(), *,
-                 eos_token_ids: Sequence[int] = ()):
+                 eos_token_ids: Sequence[int] = (), cache: KVCache | None = None):
+        """``cache``: decode into this existing cache (see ``use_cache``) instead of allocating one."""
         cfg, shard = model.cfg, model.shard
         if not (shard.first_stage and shard.last_stage):
             raise ValueError(f"generation with pipeline parallelism is not supported (layout {shard.layout}); "
@@ -93,7 +96,10 @@ class Engine:
         self.waiting: deque[list[Request]] = deque()  # prefill units waiting for free slots
         self.active: list[Request] = []  # requests holding a slot, in admission order
         self.cache: KVCache | None = None
-        self.reset_cache()
+        if cache is None:
+            self.reset_cache()
+        else:
+            self.use_cache(cache)
 
     # ----- memory ------------------------------------------------------------------------------
 
@@ -111,7 +117,26 @@ class Engine:
         budget = kv_cache_bytes or config.kv_cache_bytes or self._default_budget(max_len)
         self.cache = KVCache.for_model(cfg, shard, budget_bytes=budget, max_len=max_len,
                                        max_slots=config.max_batch_size, dtype=self.dtype, device=self.device)
-        if config.compile:  # one compiled graph serves every cache size
+        self._make_decode()
+
+    def use_cache(self, cache: KVCache) -> None:
+        """Decode into ``cache`` (e.g. a regrouped view of another engine's cache) while no request
+        holds a slot; every slot of it must be free. Drops captured graphs."""
+        if self.active or self.waiting:
+            raise RuntimeError("cannot switch the KV cache while requests are queued or hold slots")
+        layers, shard = tuple(self.model.model.layers.keys()), self.model.shard
+        first = next(iter(cache.k.values()))
+        if (tuple(str(i) for i in cache.k) != layers or first.shape[1] != shard.num_kv_heads
+                or first.shape[3] != self.model.cfg.head_dim or first.dtype != self.dtype
+                or first.device != self.device):
+            raise ValueError(f"a KV cache of layers {list(cache.k)}, shape {list(first.shape)}, {first.dtype} on "
+                             f"{first.device} does not fit this model shard ({shard.num_kv_heads} KV heads of "
+                             f"{self.model.cfg.head_dim}, {self.dtype} on {self.device})")
+        self.cache, self.max_seq_len = cache, cache.max_len + 1
+        self._make_decode()
+
+    def _make_decode(self) -> None:
+        if self.config.compile:  # one compiled graph serves every cache size
             for t in (*self.cache.k.values(), *self.cache.v.values()):
                 torch._dynamo.mark_dynamic(t, 0)
                 torch._dynamo.mark_dynamic(t, 2)
@@ -182,6 +207,14 @@ class Engine:
     @torch.no_grad()
     def step(self, on_finish: Callable[[Request], None] | None = None) -> None:
         """One iteration: admit and prefill what fits, then one decode step over the active batch."""
+        self.prefill_waiting(on_finish)
+        if self.active:
+            self._decode_step(self.active)
+            self._retire(on_finish)
+
+    @torch.no_grad()
+    def prefill_waiting(self, on_finish: Callable[[Request], None] | None = None) -> None:
+        """Admit waiting requests into free slots and prefill them (the first half of ``step``)."""
         admitted = []
         while self.waiting and len(self.waiting[0]) <= self.cache.num_free:
             unit = self.waiting.popleft()
@@ -192,9 +225,6 @@ class Engine:
         if admitted:
             self._prefill(admitted)
             self.active += [r for unit in admitted for r in unit]
-            self._retire(on_finish)
-        if self.active:
-            self._decode_step(self.active)
             self._retire(on_finish)
 
     def evict(self) -> list[Request]:
@@ -207,6 +237,35 @@ class Engine:
             r.slot, r.cached_len = None, 0
         self.active, self.waiting = [], deque()
         return requests
+
+    def detach(self) -> tuple[list[Request], list[Request]]:
+        """Take out every unfinished request, keeping its KV where it is: returns (active requests
+        in batch order with their slots and ``cached_len``, waiting requests in queue order). The
+        cache forgets them (every slot free), so that an engine over a view of the same memory can
+        ``adopt`` them."""
+        active, waiting = self.active, [r for unit in self.waiting for r in unit]
+        self.active, self.waiting = [], deque()
+        self.cache.release_all()
+        return active, waiting
+
+    def adopt(self, requests: Sequence[Request]) -> None:
+        """Requests whose KV is already in this engine's cache (``slot`` and ``cached_len`` set)
+        join the end of the active batch, in order."""
+        for r in requests:
+            if r.done or r.slot is None or not 0 < r.cached_len <= r.num_tokens - 1:
+                raise ValueError(f"request {r.request_id} cannot be adopted: done={r.done}, slot={r.slot}, "
+                                 f"cached_len={r.cached_len} of {r.num_tokens} tokens")
+        self.cache.reserve([r.slot for r in requests])
+        self.active += list(requests)
+
+    def warm_graphs(self, batch: int, modes: Sequence[str]) -> int:
+        """Capture the decode graphs of every batch bucket up to ``batch``'s for ``modes`` now
+        (otherwise each is captured at its first use); returns how many were captured. Collective
+        over the tp group, like a decode step. A no-op without CUDA graphs."""
+        if not self.use_graphs:
+            return 0
+        buckets = [n for n in self.decode.buckets if n <= self.decode.bucket(batch)]
+        return sum(self.decode.capture(n, mode) for n in buckets for mode in modes)
 
     def _prefill_units(self, requests: Sequence[Request]) -> list[list[Request]]:
         """Requests that share one prefill: fresh samples of one prompt (at most ``num_slots``);

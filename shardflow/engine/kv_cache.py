@@ -5,6 +5,10 @@ head_dim]``: one row ("slot") per request being decoded, plus a scratch slot tha
 a CUDA-graph batch write into. Keeping heads on their own dimension means that re-splitting the
 cache over a different tp group (adaptive TP) is a slice along dim 1, and a request's whole cache
 is ``k[layer][slot, :, :cached_len]``.
+
+``regroup`` views the same memory with fewer heads per slot and proportionally more slots: slot
+``s`` holding heads ``[0, K)`` becomes slots ``s * f + j`` holding heads ``[j * K / f, (j + 1) * K / f)``.
+A rank whose tensor-parallel group widens by ``f`` keeps its share of every request in place.
 """
 
 from __future__ import annotations
@@ -22,16 +26,24 @@ def bytes_per_slot(shard: RankShard, cfg: ModelConfig, max_len: int, dtype: torc
 
 
 class KVCache:
-    def __init__(self, *, layers: tuple[int, ...], num_slots: int, num_kv_heads: int, max_len: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, k: dict[int, torch.Tensor], v: dict[int, torch.Tensor]):
+        """A cache over existing contiguous tensors [slots + 1, kv_heads, max_len, head_dim] per
+        layer; the last slot is the scratch slot. Every slot starts free."""
+        first = next(iter(k.values()))
+        assert all(t.shape == first.shape and t.is_contiguous() for t in (*k.values(), *v.values()))
+        self.k, self.v = k, v
+        self.num_slots, self.max_len = first.shape[0] - 1, first.shape[2]
+        self._free = list(range(self.num_slots))
+
+    @classmethod
+    def zeros(cls, *, layers: tuple[int, ...], num_slots: int, num_kv_heads: int, max_len: int,
+              head_dim: int, dtype: torch.dtype, device: torch.device | str) -> "KVCache":
         if num_slots < 1:
             raise ValueError(f"a KV cache needs at least one slot, got {num_slots}")
-        self.num_slots, self.max_len = num_slots, max_len
         shape = (num_slots + 1, num_kv_heads, max_len, head_dim)
         # Zero-filled so that reads past a request's length (masked anyway) never see NaNs.
-        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
-        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
-        self._free = list(range(num_slots))
+        return cls({i: torch.zeros(shape, dtype=dtype, device=device) for i in layers},
+                   {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers})
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, shard: RankShard, *, budget_bytes: int, max_len: int,
@@ -45,8 +57,24 @@ class KVCache:
                 f"({per_slot / 2**20:.1f} MiB per sequence plus one scratch sequence); raise the budget or "
                 "lower max_seq_len"
             )
-        return cls(layers=shard.layers, num_slots=slots, num_kv_heads=shard.num_kv_heads, max_len=max_len,
-                   head_dim=cfg.head_dim, dtype=dtype, device=device)
+        return cls.zeros(layers=shard.layers, num_slots=slots, num_kv_heads=shard.num_kv_heads, max_len=max_len,
+                         head_dim=cfg.head_dim, dtype=dtype, device=device)
+
+    def regroup(self, num_kv_heads: int) -> "KVCache":
+        """A new cache over the same memory with ``num_kv_heads`` heads per slot (dividing this
+        cache's), every slot free. Data of slot ``s``, heads ``[j * n, (j + 1) * n)`` (n the new head
+        count) is slot ``s * f + j`` of the result, f = old heads / n; its scratch slot lies inside
+        this cache's scratch slot."""
+        first = next(iter(self.k.values()))
+        slots1, heads, max_len, head_dim = first.shape  # slots + 1
+        if num_kv_heads < 1 or heads % num_kv_heads:
+            raise ValueError(f"cannot regroup a cache of {heads} KV heads per slot into {num_kv_heads}")
+        shape = (slots1 * (heads // num_kv_heads), num_kv_heads, max_len, head_dim)
+        return KVCache({i: t.view(shape) for i, t in self.k.items()}, {i: t.view(shape) for i, t in self.v.items()})
+
+    @property
+    def num_kv_heads(self) -> int:
+        return next(iter(self.k.values())).shape[1]
 
     # ----- slots ---------------------------------------------------------------------------------
 
@@ -69,6 +97,16 @@ class KVCache:
     def release(self, slot: int) -> None:
         assert 0 <= slot < self.num_slots and slot not in self._free, slot
         self._free.append(slot)
+
+    def release_all(self) -> None:
+        """Forget every request (their data stays in memory, e.g. for a regrouped view)."""
+        self._free = list(range(self.num_slots))
+
+    def reserve(self, slots: list[int]) -> None:
+        """Mark these free slots taken (requests whose data is already in them)."""
+        taken = set(slots)
+        assert len(taken) == len(slots) and taken <= set(self._free), (slots, self._free)
+        self._free = [s for s in self._free if s not in taken]
 
     # ----- writes --------------------------------------------------------------------------------
 
