@@ -40,7 +40,7 @@ def generate_replicated(engine: Engine, layout: Layout, world: World, requests: 
         return None
     group = world.groups.get(layout.dp_group(world.rank))  # the replicas' holders
     dst = layout.ranks[0]
-    results = [(r.request_id, r.output_ids, r.output_logprobs, r.finish_reason) for r in mine]
+    results = result_states(mine)
     if group is None:
         gathered = [results]
     else:
@@ -48,8 +48,18 @@ def generate_replicated(engine: Engine, layout: Layout, world: World, requests: 
         dist.gather_object(results, gathered, dst=dst, group=group)
     if world.rank != dst:
         return None
+    return fill_results(requests, gathered)
+
+
+def result_states(requests: Sequence[Request]) -> list[tuple]:
+    """What a replica sends of its finished requests: (id, tokens, log-probabilities, finish reason)."""
+    return [(r.request_id, r.output_ids, r.output_logprobs, r.finish_reason) for r in requests]
+
+
+def fill_results(requests: Sequence[Request], parts: Sequence[list[tuple]]) -> list[Request]:
+    """Fill ``requests`` from the replicas' ``result_states``; returns them sorted by id."""
     by_id = {r.request_id: r for r in requests}
-    for part in gathered:
+    for part in parts:
         for request_id, output_ids, logprobs, finish_reason in part:
             r = by_id[request_id]
             r.output_ids, r.output_logprobs, r.finish_reason = output_ids, logprobs, finish_reason

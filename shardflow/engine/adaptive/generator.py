@@ -1,0 +1,438 @@
+"""Generation that switches layout mid-decode: one engine per layout, every replica in lockstep.
+
+Every rank of the starting layout builds one ``AdaptiveGenerator`` and calls ``generate`` with the
+same requests (as with ``generate_replicated``). For each layout of its chain (the start, then the
+targets, each a replica merge of the one before) it keeps this rank's model (views of the start
+model's tensors, or a reallocated copy where the layouts do not nest) and an engine decoding into
+a regrouped view of the start engine's KV cache. Engines, their captured CUDA graphs and the
+communication groups (created by the caller up front) persist across ``generate`` calls.
+
+The loop: each replica steps its engine once per iteration, so every rank counts decode steps
+alike. Every ``interval`` steps (a decision point) the layout's ranks all-gather a fixed-size
+summary of their unfinished requests; the layout's first rank decides (the policy, or a forced
+schedule) and broadcasts the decision, so that every rank acts on the same one. A switch runs on
+every rank in lockstep: weights (views: nothing to do; otherwise reallocation), the merged
+replicas' request states exchanged, their KV migrated or recomputed, the new layout's decode
+graphs captured; decoding goes on in the new layout's engine. Generation ends at the first
+decision point where no rank has an unfinished request.
+
+Collectives per decision point: one all-gather of [ranks, 3 x buckets + 3] float64 and one
+broadcast of two integers, over the layout's ranks. Per switch: see ``reshard`` and
+``kv_migration``. At the end: one gather of results and per-step counts to the first rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shardflow.engine.adaptive.kv_migration import (KV_MODES, MIGRATE, clean_slots, fit_problem, gather_requests,
+                                                    kv_plan, migrate, regroup_factor)
+from shardflow.engine.adaptive.length_predictor import LengthPredictor
+from shardflow.engine.adaptive.merge import nests, plan_merge
+from shardflow.engine.adaptive.reshard import allocated_model, refill, view_model
+from shardflow.engine.adaptive.step_time import Hardware, RooflineStepTime, StepTimeModel
+from shardflow.engine.adaptive.switch_cost import CostParams, SwitchCostModel
+from shardflow.engine.adaptive.switch_policy import (Decider, Decision, Loads, PolicyConfig, bucket_edges,
+                                                     bucket_sums)
+from shardflow.engine.adaptive.trace import GenerationTrace, Refusal, SwitchRecord
+from shardflow.engine.generate import Engine, EngineConfig
+from shardflow.engine.kv_cache import bytes_per_slot
+from shardflow.engine.replicas import fill_results, replica_share, result_states
+from shardflow.engine.requests import Request
+from shardflow.engine.sampling import batch_mode
+from shardflow.models.transformer import Transformer
+from shardflow.parallel.layout import Layout
+from shardflow.parallel.realloc_plan import transfer_plan
+from shardflow.parallel.sharding import check_layout, shard_for
+from shardflow.parallel.world import World
+
+logger = logging.getLogger(__name__)
+
+# A forced switch: at decode step s, switch to layout L with KV mode m ("migrate", "recompute" or
+# "auto" for the cost model's choice).
+Schedule = Mapping[int, tuple[Layout, str]]
+BUSY, ACTIVE, WAITING = 0, 1, 2  # columns of a rank's summary before the bucket sums
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaptiveConfig:
+    policy: PolicyConfig = field(default_factory=PolicyConfig)  # when to switch
+    kv_mode: str = "auto"  # auto (the cost model picks per switch) | migrate | recompute
+    bucket_bytes: int = 64 << 20  # KV migration message size per peer and round
+    length_buckets: int = 32  # buckets summarising unfinished requests by tokens generated
+    max_samples: int = 8192  # response lengths the predictor keeps
+    prior_weight: float = 1.0  # pseudo-samples of the uniform prior over [1, max_new_tokens]
+
+    def __post_init__(self) -> None:
+        if self.kv_mode not in ("auto", *KV_MODES):
+            raise ValueError(f"kv_mode must be auto, {' or '.join(KV_MODES)}; got {self.kv_mode!r}")
+        if self.bucket_bytes < 1 << 10:
+            raise ValueError(f"bucket_bytes must be at least 1 KiB, got {self.bucket_bytes}")
+        if self.length_buckets < 2:
+            raise ValueError(f"length_buckets must be at least 2, got {self.length_buckets}")
+
+
+class AdaptiveGenerator:
+    def __init__(self, world: World, model: Transformer, targets: Sequence[Layout], *,
+                 engine_config: EngineConfig = EngineConfig(), eos_token_ids: Sequence[int] = (),
+                 config: AdaptiveConfig = AdaptiveConfig(), steps: StepTimeModel | None = None,
+                 hardware: Hardware = Hardware(), cost_params: CostParams = CostParams()):
+        """``model``: this rank's model in the starting layout. ``targets``: layouts to switch to,
+        in order, each merging replicas of the one before; one that is not is refused (logged,
+        listed in ``refused``) and left out. The groups of the start and of every target must
+        exist (``world.create_groups``). Collective over the starting layout's ranks."""
+        cfg, start, rank = model.cfg, model.shard.layout, world.rank
+        if start.pp != 1:
+            raise ValueError(f"generation with pipeline parallelism is not supported (layout {start}); use pp=1")
+        self.world, self.cfg, self.config = world, cfg, config
+        self.refused: list[Refusal] = []
+        chain = [start]
+        for target in targets:
+            try:
+                plan_merge(chain[-1], target)
+                check_layout(cfg, target)
+            except ValueError as e:
+                self._refuse(self.refused, -1, target, str(e))
+                continue
+            chain.append(target)
+        self.chain = chain
+        self.group = world.groups.get(start.ranks)  # every rank of the layout
+        self.decider_rank = start.ranks[0]
+        tp_groups = {layout: world.groups.get(layout.tp_group(rank)) for layout in chain}
+
+        # Models: views where the target nests in the start layout, else storage of their own
+        # (allocated before the KV cache takes the free memory).
+        self.models: dict[Layout, Transformer] = {start: model}
+        self.weight_bytes: dict[Layout, int] = {}  # targets reached by reallocation: bytes the busiest rank receives
+        item = next(model.parameters()).element_size()
+        for layout in chain[1:]:
+            if nests(cfg, start, layout):
+                self.models[layout] = view_model(cfg, model, layout, rank, tp_groups[layout])
+            else:
+                self.models[layout] = allocated_model(cfg, layout, rank, tp_groups[layout], like=model)
+                received: dict[int, int] = {}
+                for t in transfer_plan(cfg, start, layout).transfers:
+                    if not t.local:
+                        received[t.dst_rank] = received.get(t.dst_rank, 0) + t.numel * item
+                self.weight_bytes[layout] = max(received.values(), default=0)
+
+        # Engines: the start engine owns the KV cache; every rank gets the same number of slots
+        # (admission decisions depend on it), then each target decodes into a regrouped view.
+        first = Engine(model, engine_config, eos_token_ids=eos_token_ids)
+        slots = torch.tensor([first.cache.num_slots], device=first.device)
+        if self.group is not None:
+            dist.all_reduce(slots, op=dist.ReduceOp.MIN, group=self.group)  # the smallest cache sets the slots
+        per_slot = bytes_per_slot(model.shard, cfg, first.max_seq_len - 1, first.dtype)
+        self._kv_budget = (int(slots) + 1) * per_slot
+        if int(slots) < first.cache.num_slots:
+            first.reset_cache(max_seq_len=first.max_seq_len, kv_cache_bytes=self._kv_budget)
+        self.engines: dict[Layout, Engine] = {start: first}
+        for layout in chain[1:]:
+            config_l = dataclasses.replace(engine_config, compile=engine_config.compile and layout.tp == 1)
+            self.engines[layout] = Engine(self.models[layout], config_l, eos_token_ids=eos_token_ids,
+                                          cache=first.cache.regroup(self._heads(layout)))
+
+        self.steps = steps or RooflineStepTime(cfg, hardware, dtype_bytes=item)
+        self.costs = SwitchCostModel(cfg, self.steps, hardware,
+                                     dataclasses.replace(cost_params, bucket_bytes=config.bucket_bytes),
+                                     dtype_bytes=item)
+        self.predictor: LengthPredictor | None = None  # on the deciding rank, from the first generation on
+        self.last_trace: GenerationTrace | None = None
+        self._pointers = self._weight_pointers()
+
+    # ----- generation ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, requests: Sequence[Request], on_finish: Callable[[Request], None] | None = None, *,
+                 schedule: Schedule | None = None) -> list[Request] | None:
+        """Generate ``requests`` (the same list on every rank) starting in the first layout.
+
+        ``schedule``: forced switches instead of the policy (an empty one never switches).
+        ``on_finish`` is called on each rank for the requests of its starting replica. Returns, on
+        the layout's first rank, every request finished (sorted by id); None on the others.
+        """
+        start, rank = self.chain[0], self.world.rank
+        engine = self.engines[start]
+        for layout_engine in self.engines.values():
+            if layout_engine.busy:
+                raise RuntimeError("an engine still holds requests from an interrupted generation")
+        _check_requests(requests, engine.max_seq_len)
+        self._ensure_cache()
+        self._refresh_graphs()
+        max_new = max((r.params.max_new_tokens for r in requests), default=1)
+        decider = self._decider(max_new) if rank == self.decider_rank and schedule is None else None
+        edges = bucket_edges(max_new, self.config.length_buckets)
+        trace = GenerationTrace(layouts=[str(layout) for layout in self.chain], refusals=list(self.refused))
+
+        mine = replica_share(requests, start.dp, start.coord(rank).dp)
+        own = {r.request_id for r in mine}
+
+        def finished(r: Request) -> None:
+            if on_finish is not None and r.request_id in own:
+                on_finish(r)
+
+        layout = start
+        engine.submit(mine)
+        counts, seconds = [], []
+        interval = self.config.policy.interval
+        step, begin = 0, time.perf_counter()
+        while True:
+            if step % interval == 0 or (schedule is not None and step in schedule):
+                summary = self._gather(engine, edges)
+                if not summary[:, BUSY].any():
+                    break
+                target, mode, decision = self._decide(layout, summary, step, schedule, decider, trace)
+                if target is not None:
+                    layout = self._switch(layout, target, mode, step, decision, trace, finished)
+                    engine = self.engines[layout]
+            steps_before, tick = len(engine.stats.decode_steps), time.perf_counter()
+            engine.step(finished)
+            decoded = engine.stats.decode_steps[-1][0] if len(engine.stats.decode_steps) > steps_before else 0
+            counts.append(decoded if layout.coord(rank).tp == 0 else 0)  # one count per replica
+            seconds.append(time.perf_counter() - tick)
+            trace.layout_index.append(self.chain.index(layout))
+            step += 1
+        trace.wall_seconds = time.perf_counter() - begin
+        return self._collect(requests, mine, counts, seconds, trace)
+
+    # ----- decision points -------------------------------------------------------------------
+
+    def _gather(self, engine: Engine, edges: np.ndarray) -> np.ndarray:
+        """[ranks of the layout, 3 + 3G]: busy, active, waiting, then bucket sums (count,
+        generated, context) of the unfinished requests (waiting ones as 0 generated), by rank."""
+        waiting = [r for unit in engine.waiting for r in unit]
+        sums = bucket_sums([len(r.output_ids) for r in engine.active] + [0] * len(waiting),
+                           [r.num_tokens for r in engine.active + waiting], edges)
+        mine = np.concatenate([[float(engine.busy), len(engine.active), len(waiting)], sums.reshape(-1)])
+        if self.group is None:
+            return mine[None]
+        local = torch.tensor(mine, dtype=torch.float64, device=engine.device)
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, local, group=self.group)  # the state every decision is made from
+        return torch.stack(parts).cpu().numpy()
+
+    def _decide(self, layout: Layout, summary: np.ndarray, step: int, schedule: Schedule | None,
+                decider: Decider | None, trace: GenerationTrace) -> tuple[Layout | None, str, Decision | None]:
+        """The first rank decides; everyone gets (target, KV mode) by broadcast."""
+        code = torch.tensor([-1, 0], dtype=torch.int64, device=self.engines[layout].device)
+        decision = None
+        if self.world.rank == self.decider_rank:
+            tick = time.perf_counter()
+            order = sorted(self.chain[0].ranks)  # group rank order of the summary rows
+            rows = summary[[order.index(layout.rank_at(0, d, 0)) for d in range(layout.dp)]]
+            buckets = (summary.shape[1] - 3) // 3
+            loads = Loads.from_sums(*(rows[:, 3 + i * buckets: 3 + (i + 1) * buckets] for i in range(3)))
+            active = rows[:, ACTIVE].astype(int).tolist()
+            slots = self.engines[layout].cache.num_slots
+            if schedule is not None:
+                target, mode = schedule.get(step, (None, "auto"))
+                if target is not None:
+                    target, mode = self._check_forced(layout, target, mode, active, slots, loads, step, trace)
+            else:
+                decision = decider.decide(layout, loads, active, slots, self._new_graphs)
+                target, mode = decision.target, decision.kv_mode
+                trace.decisions += 1
+                trace.decision_seconds += time.perf_counter() - tick
+            if target is not None:
+                code = torch.tensor([self.chain.index(target), KV_MODES.index(mode)], dtype=torch.int64,
+                                    device=code.device)
+        if self.group is not None:
+            dist.broadcast(code, src=self.decider_rank, group=self.group)  # every rank acts on one decision
+        index, mode_index = code.tolist()
+        return (self.chain[index], KV_MODES[mode_index], decision) if index >= 0 else (None, "", None)
+
+    def _check_forced(self, layout: Layout, target: Layout, mode: str, active: list[int], slots: int, loads: Loads,
+                      step: int, trace: GenerationTrace) -> tuple[Layout | None, str]:
+        """A forced switch as (target, KV mode), or (None, "") refused with the reason logged."""
+        try:
+            if target not in self.chain:
+                raise ValueError(f"{target} is not one of this generator's layouts {[str(x) for x in self.chain]}")
+            merge = plan_merge(layout, target)
+        except ValueError as e:
+            self._refuse(trace.refusals, step, target, str(e))
+            return None, ""
+        if mode == "auto":
+            context = (loads.counts * loads.context).sum(1) / np.maximum(loads.counts.sum(1), 1)  # mean per replica
+            fitting = tuple(m for m in KV_MODES if fit_problem(self.cfg, merge, active, slots, m) is None)
+            cost = self.costs.estimate(merge, np.array(active, float), context, modes=fitting,
+                                       weight_bytes=self.weight_bytes.get(target, 0))
+            mode = cost.kv_mode if cost is not None else MIGRATE
+        problem = fit_problem(self.cfg, merge, active, slots, mode)
+        if problem is not None:
+            self._refuse(trace.refusals, step, target, f"the switch would not fit in memory: {problem}")
+            return None, ""
+        return target, mode
+
+    @staticmethod
+    def _refuse(refusals: list[Refusal], step: int, target: Layout, reason: str) -> None:
+        logger.warning("adaptive TP: switch to %s refused at step %d, generation continues in the current "
+                       "layout: %s", target, step, reason)
+        refusals.append(Refusal(step=step, target=str(target), reason=reason))
+
+    def _decider(self, max_new: int) -> Decider:
+        if self.predictor is None:
+            self.predictor = LengthPredictor(max_len=max_new, max_samples=self.config.max_samples,
+                                             prior_weight=self.config.prior_weight)
+        self.predictor.max_len = max_new
+        return Decider(cfg=self.cfg, chain=self.chain, steps=self.steps, costs=self.costs, predictor=self.predictor,
+                       config=self.config.policy, kv_mode=self.config.kv_mode, weight_bytes=self.weight_bytes)
+
+    def _new_graphs(self, layout: Layout, batch: float) -> int:
+        """Decode graphs a switch to ``layout`` at this batch would capture (one sampling mode)."""
+        engine = self.engines[layout]
+        if not engine.use_graphs:
+            return 0
+        top = engine.decode.bucket(max(1, min(int(np.ceil(batch)), engine.cache.num_slots)))
+        have = {n for n, _ in engine.decode.graphs}
+        return sum(1 for n in engine.decode.buckets if n <= top and n not in have)
+
+    # ----- a switch --------------------------------------------------------------------------
+
+    def _switch(self, layout: Layout, target: Layout, mode: str, step: int, decision: Decision | None,
+                trace: GenerationTrace, finished: Callable[[Request], None]) -> Layout:
+        rank, cfg = self.world.rank, self.cfg
+        merge = plan_merge(layout, target)
+        old, new = self.engines[layout], self.engines[target]
+        device = new.device
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device) if cuda else 0
+        t0 = time.perf_counter()
+
+        if target in self.weight_bytes:  # does not nest: the start model's weights, reallocated
+            refill(self.world, cfg, self.models[self.chain[0]], target, self.models[target])
+        t1 = time.perf_counter()
+
+        active, waiting = old.detach()
+        old_slot = {r.request_id: r.slot for r in active}
+        parts = gather_requests(self.world.groups.get(target.tp_group(rank)), merge, rank, active, waiting)
+        merged = [r for p in parts for r in p.active]
+        queued = [r for p in parts for r in p.waiting]
+        t2 = time.perf_counter()
+
+        kv_bytes = extra = 0
+        if mode == MIGRATE:
+            shard = shard_for(cfg, target, rank)
+            item = next(iter(new.cache.k.values())).element_size()
+            per_position = shard.num_kv_heads * cfg.head_dim * item
+            plan = kv_plan(cfg, merge, merge.dst_replica_of(layout.coord(rank).dp),
+                           [(r.request_id, p.replica, r.cached_len) for p in parts for r in p.active],
+                           shard.layers, per_position, self.config.bucket_bytes)
+            factor = regroup_factor(cfg, merge)
+            clean = clean_slots(new.cache.num_slots, factor, list(old_slot.values()))
+            receive = plan.received[rank]
+            assert len(receive) <= len(clean), "the fit check let through a migration without room"
+            new_slot = dict(zip(receive, clean))
+            _, kv_bytes = migrate(plan, rank, new.cache, factor, old_slot, new_slot)
+            extra = plan.peak_buffer_bytes(rank, per_position)
+            for r in merged:
+                r.slot = new_slot.get(r.request_id)
+                if r.slot is None:
+                    r.slot = old_slot[r.request_id] * factor + plan.kept[rank][r.request_id]
+            new.adopt(merged)
+            new.submit(queued)
+        else:
+            for r in merged:
+                r.slot, r.cached_len = None, 0
+            new.submit(merged + queued)
+            new.prefill_waiting(finished)
+        if cuda:
+            torch.cuda.synchronize(device)
+        t3 = time.perf_counter()
+
+        if new.active:
+            modes = [batch_mode([r.params.temperature for r in new.active], [r.params.top_k for r in new.active],
+                                [r.params.top_p for r in new.active])]
+            new.warm_graphs(len(new.active), modes)
+        t4 = time.perf_counter()
+        peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
+        if rank == self.decider_rank:
+            trace.switches.append(SwitchRecord(
+                step=step, source=str(layout), target=str(target), kv_mode=mode, requests=len(merged),
+                weights_s=t1 - t0, requests_s=t2 - t1, kv_s=t3 - t2, groups_s=0.0, graphs_s=t4 - t3,
+                total_s=t4 - t0, weight_bytes=self.weight_bytes.get(target, 0), kv_bytes=kv_bytes, extra_bytes_bound=extra,
+                peak_extra_bytes=peak,
+                predicted_saving_s=decision.saving_s if decision else None,
+                predicted_cost_s=decision.cost.total if decision and decision.cost else None))
+            logger.info("adaptive TP: step %d, %s -> %s (%s KV, %d requests) in %.1f ms", step, layout, target,
+                        mode, len(merged), (t4 - t0) * 1e3)
+        return target
+
+    # ----- the end of a generation -----------------------------------------------------------
+
+    def _collect(self, requests: Sequence[Request], mine: list[Request], counts: list[int], seconds: list[float],
+                 trace: GenerationTrace) -> list[Request] | None:
+        """Results and per-step counts to the first rank (one gather_object over the layout)."""
+        start, rank = self.chain[0], self.world.rank
+        payload = (result_states(mine) if start.coord(rank).tp == 0 else None, counts, seconds)
+        if self.group is None:
+            gathered = [payload]
+        else:
+            gathered = [None] * len(start.ranks) if rank == self.decider_rank else None
+            dist.gather_object(payload, gathered, dst=self.decider_rank, group=self.group)
+        if rank != self.decider_rank:
+            return None
+        done = fill_results(requests, [g[0] for g in gathered if g[0] is not None])
+        trace.active = np.sum([g[1] for g in gathered], axis=0).astype(int).tolist()
+        trace.step_seconds = np.max([g[2] for g in gathered], axis=0).tolist()
+        if self.predictor is None:
+            self.predictor = LengthPredictor(max_len=max(r.params.max_new_tokens for r in requests),
+                                             max_samples=self.config.max_samples,
+                                             prior_weight=self.config.prior_weight)
+        self.predictor.observe([len(r.output_ids) for r in done])
+        self.last_trace = trace
+        return done
+
+    # ----- graphs stay valid only while the tensors they read stay where they are ------------
+
+    def _weight_pointers(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for m in self.models.values() for p in m.parameters())
+
+    def _refresh_graphs(self) -> None:
+        """Drop captured graphs if the weights' memory moved since (e.g. released and regrown
+        between iterations); they are captured again on first use."""
+        pointers = self._weight_pointers()
+        if pointers != self._pointers:
+            for engine in self.engines.values():
+                if engine.use_graphs:
+                    engine.use_cache(engine.cache)
+            self._pointers = pointers
+
+    def release(self) -> None:
+        """Free the KV cache (and the graphs reading it) of every layout, e.g. to make room for
+        training between iterations; the next ``generate`` allocates it again."""
+        for engine in self.engines.values():
+            engine.release_cache()
+
+    def _ensure_cache(self) -> None:
+        first = self.engines[self.chain[0]]
+        if first.cache is not None:
+            return
+        first.reset_cache(max_seq_len=first.max_seq_len, kv_cache_bytes=self._kv_budget)
+        for layout in self.chain[1:]:
+            self.engines[layout].use_cache(first.cache.regroup(self._heads(layout)))
+
+    def _heads(self, layout: Layout) -> int:
+        return shard_for(self.cfg, layout, self.world.rank).num_kv_heads
+
+
+def _check_requests(requests: Sequence[Request], max_seq_len: int) -> None:
+    """The engine's own checks, on every rank for every request, before any collective."""
+    for r in requests:
+        if r.done or r.slot is not None:
+            raise ValueError(f"request {r.request_id} is already finished or admitted elsewhere")
+        if not r.prompt_ids:
+            raise ValueError(f"request {r.request_id} has an empty prompt")
+        if r.num_tokens >= max_seq_len:
+            raise ValueError(f"request {r.request_id}: {r.num_tokens} tokens leave no room to generate "
+                             f"under max_seq_len={max_seq_len}")

@@ -1,0 +1,101 @@
+"""What one adaptive generation did: active batch and layout per decode step, switches, refusals.
+
+Kept on the layout's first rank (the one that decides). ``metrics`` gives scalars for the run's
+metrics log; ``plot_trace`` draws active batch and layout per decode step (the picture of the
+aligned phase and the long tail).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(kw_only=True)
+class SwitchRecord:
+    step: int  # decode step at which the switch happened
+    source: str
+    target: str
+    kv_mode: str
+    requests: int  # active requests of the first rank's merged replica
+    weights_s: float  # seconds on the first rank, by part
+    requests_s: float  # exchanging request states
+    kv_s: float
+    groups_s: float  # communication groups are created before generation: looked up only
+    graphs_s: float
+    total_s: float
+    weight_bytes: int  # reallocated to the busiest rank (0 when the target nests: views)
+    kv_bytes: int  # KV received by migration on the first rank
+    extra_bytes_bound: int  # most extra memory the switch's buffers take on the first rank
+    peak_extra_bytes: int | None  # measured (CUDA): peak allocated during the switch minus before
+    predicted_saving_s: float | None = None
+    predicted_cost_s: float | None = None
+
+
+@dataclass(kw_only=True)
+class Refusal:
+    step: int  # -1: when the generator was built
+    target: str
+    reason: str
+
+
+@dataclass(kw_only=True)
+class GenerationTrace:
+    layouts: list[str]  # the chain: start, then targets
+    active: list[int] = field(default_factory=list)  # requests decoded at each step, all replicas
+    layout_index: list[int] = field(default_factory=list)  # index into ``layouts`` at each step
+    step_seconds: list[float] = field(default_factory=list)  # slowest replica's time of each step
+    switches: list[SwitchRecord] = field(default_factory=list)
+    refusals: list[Refusal] = field(default_factory=list)
+    decisions: int = 0
+    decision_seconds: float = 0.0  # the policy's own time, summed
+    wall_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def metrics(self) -> dict[str, float]:
+        single = sum(1 for a in self.active if a == 1)
+        return {
+            "gen/wall_s": self.wall_seconds,
+            "gen/decode_steps": float(len(self.active)),
+            "gen/steps_with_one_request_frac": single / max(len(self.active), 1),
+            "gen/switches": float(len(self.switches)),
+            "gen/switch_s": sum(s.total_s for s in self.switches),
+            "gen/switch_refusals": float(len(self.refusals)),
+            "gen/decision_s": self.decision_seconds,
+        }
+
+
+def plot_trace(trace: GenerationTrace, path: str | Path, title: str = "") -> Path:
+    """Active batch per decode step, the background shaded by layout, switches marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    steps = range(len(trace.active))
+    colours = plt.get_cmap("tab10")
+    start = 0
+    for i in range(1, len(trace.layout_index) + 1):
+        if i == len(trace.layout_index) or trace.layout_index[i] != trace.layout_index[start]:
+            index = trace.layout_index[start]
+            ax.axvspan(start, i, color=colours(index), alpha=0.15, lw=0,
+                       label=trace.layouts[index] if index not in trace.layout_index[:start] else None)
+            start = i
+    ax.plot(steps, trace.active, color="black", lw=1)
+    for s in trace.switches:
+        ax.axvline(s.step, color="red", lw=1, ls="--")
+        ax.annotate(f"{s.source} -> {s.target}\n{s.kv_mode}, {s.total_s * 1e3:.0f} ms", (s.step, max(trace.active or [1])),
+                    fontsize=7, ha="left", va="top", color="red")
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("active requests")
+    ax.set_title(title or "generation: active batch and layout per decode step")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
