@@ -9,16 +9,16 @@ For each future step t on a geometric grid the length predictor gives, per bucke
 probability that its requests are still running. From it, per replica of a layout: the expected
 active batch while it is busy and the probability that it is busy; the layout's expected time per
 step is P(some request is left) x the slowest busy replica's step time (a layout runs until its
-last request ends; replicas decode in parallel). Summing over the grid gives the remaining time:
+last request ends; replicas decode in parallel). Summing over the grid gives the remaining time
+of a layout from any grid point on.
 
-- staying in the current layout;
-- switching to candidate Y at grid time t_i: current layout until t_i, the switch cost (with the
-  expected requests and contexts at t_i), then Y.
-
-The decision switches now to the best candidate when switching now is the best of all options
-(a later switch predicted better means waiting) and the saving over staying exceeds the switch
-cost by ``margin`` (saving - cost >= margin x cost + min_saving_s). More than one switch per
-generation happens through later decisions from the new layout.
+Backwards over the grid, the best remaining time in each layout of the chain allows switching on
+to any later layout at the first ``switch_points`` grid points (the switch cost computed with the
+requests and contexts expected then), so a plan may hold several switches (d4t1 -> d2t2 -> d1t4).
+The decision switches now to the best candidate when that beats every plan that does not switch
+now (a better later switch means waiting) and its saving over never switching exceeds the switch
+cost by ``margin`` (saving - cost >= margin x cost + min_saving_s). Later switches are decided
+again at later decision points, from the new layout.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ class Decision:
 
 def decide(*, layout: Layout, candidates: Sequence[Merge], loads: Loads, predictor: LengthPredictor,
            steps: StepTimeModel, cost: CostFn, config: PolicyConfig) -> Decision:
+    """``candidates``: merges from ``layout`` to the later layouts of the chain, in chain order."""
     rep, b = np.nonzero(loads.counts)
     if len(rep) == 0:
         return Decision(target=None, reason="no unfinished requests")
@@ -116,62 +117,68 @@ def decide(*, layout: Layout, candidates: Sequence[Merge], loads: Loads, predict
                                                               config.horizon_points - 1))]))
     alive = predictor.still_running(gen, t)  # [K, J]
     replicas = loads.counts.shape[0]
-    n = np.zeros((replicas, len(t)))
+    n = np.zeros((replicas, len(t)))  # expected requests still running, per current replica
     np.add.at(n, rep, count[:, None] * alive)
     log_idle = np.zeros_like(n)
     np.add.at(log_idle, rep, count[:, None] * np.log1p(-np.minimum(alive, 1 - 1e-12)))
-    tokens = np.zeros_like(n)  # expected context tokens of the requests still running
+    tokens = np.zeros_like(n)  # their expected context tokens
     np.add.at(tokens, rep, count[:, None] * alive * (ctx[:, None] + t[None, :]))
     some_left = 1 - np.exp(log_idle.sum(0))  # [J]
     fallback_ctx = float(ctx.mean()) + t
 
-    def per_step(groups: Sequence[Sequence[int]], tp: int) -> np.ndarray:
-        """Expected seconds per decode step at each grid point of a layout made of these groups."""
+    chain = [layout] + [m.dst for m in candidates]
+    groups = {layout: [[r] for r in range(replicas)], **{m.dst: [list(g) for g in m.groups] for m in candidates}}
+
+    def segments(target: Layout) -> np.ndarray:
+        """[J - 1] expected seconds between grid points in ``target`` (trapezoid rule)."""
         slowest = np.zeros(len(t))
-        for members in groups:
-            members = list(members)
+        for members in groups[target]:
             nq = n[members].sum(0)
             busy = 1 - np.exp(log_idle[members].sum(0))
             batch = np.maximum(nq / np.maximum(busy, 1e-12), 1.0)
             context = np.where(nq > 1e-9, tokens[members].sum(0) / np.maximum(nq, 1e-12), fallback_ctx)
-            slowest = np.maximum(slowest, np.where(busy > 1e-9, steps.decode(tp, batch, context), 0.0))
-        return some_left * slowest
-
-    def segments(per: np.ndarray) -> np.ndarray:  # [J - 1] seconds between grid points (trapezoid)
+            slowest = np.maximum(slowest, np.where(busy > 1e-9, steps.decode(target.tp, batch, context), 0.0))
+        per = some_left * slowest
         return (per[:-1] + per[1:]) / 2 * np.diff(t)
 
-    current = segments(per_step([[r] for r in range(replicas)], layout.tp))
-    stay = float(current.sum())
-    before = np.concatenate([[0.0], np.cumsum(current)])  # in the current layout until t_i
-    best_now: tuple[float, Merge, SwitchCost] | None = None
-    best_later: tuple[float, Merge, int] | None = None
-    for merge in candidates:
-        after = np.cumsum(segments(per_step(merge.groups, merge.dst.tp))[::-1])[::-1]  # from t_i on
-        after = np.concatenate([after, [0.0]])
-        for i in range(min(config.switch_points, len(t) - 1)):
-            active = n[:, i]
-            context = np.divide(tokens[:, i], active, out=np.full(replicas, fallback_ctx[i]), where=active > 1e-9)
-            c = cost(merge, active, context, i == 0)
-            if c is None:
+    def switch_cost(source: Layout, target: Layout, j: int) -> SwitchCost | None:
+        """Cost of switching ``source`` -> ``target`` at grid point j, with the requests expected then."""
+        active = np.array([n[g, j].sum() for g in groups[source]])
+        held = np.array([tokens[g, j].sum() for g in groups[source]])
+        context = np.divide(held, active, out=np.full(len(active), fallback_ctx[j]), where=active > 1e-9)
+        return cost(plan_merge(source, target), active, context, source == layout and j == 0)
+
+    # Best remaining time from grid point j in each layout, switching onwards at the first
+    # ``switch_points`` grid points (backwards over the grid; the chain only ever moves forward).
+    best: dict[Layout, np.ndarray] = {}
+    for index in range(len(chain) - 1, -1, -1):
+        here, seg = chain[index], segments(chain[index])
+        value = np.zeros(len(t))
+        for j in range(len(t) - 2, -1, -1):
+            value[j] = seg[j] + value[j + 1]
+            if j >= config.switch_points or (here == layout and j == 0):
                 continue
-            total = float(before[i] + c.total + after[i])
-            if i == 0 and (best_now is None or total < best_now[0]):
-                best_now = (total, merge, c)
-            if i > 0 and (best_later is None or total < best_later[0]):
-                best_later = (total, merge, i)
-    if best_now is None:
-        return Decision(target=None, stay_s=stay, reason="no candidate layout can be switched to now")
-    total, merge, c = best_now
-    decision = dict(stay_s=stay, switch_s=total, cost=c, kv_mode=c.kv_mode)
-    if best_later is not None and best_later[0] < total:
-        later, target, i = best_later
-        return Decision(target=None, **decision, reason=f"switching to {target.dst} in about {int(t[i])} steps "
-                        f"is predicted {total - later:.3g}s better than now")
-    saving = stay - total + c.total
-    if saving - c.total < config.margin * c.total + config.min_saving_s:
-        return Decision(target=None, **decision, reason=f"saving {saving:.3g}s does not pay for the switch "
-                        f"({c.total:.3g}s) with margin {config.margin}")
-    return Decision(target=merge.dst, **decision, reason=f"saves {saving:.3g}s for a switch of {c.total:.3g}s")
+            for target in chain[index + 1:]:
+                c = switch_cost(here, target, j)
+                if c is not None:
+                    value[j] = min(value[j], c.total + best[target][j])
+        best[here] = value
+    never = float(segments(layout).sum())
+    waiting = float(best[layout][0])  # not switching now, maybe later
+    now = [(c.total + float(best[m.dst][0]), m.dst, c) for m in candidates
+           if (c := switch_cost(layout, m.dst, 0)) is not None]
+    if not now:
+        return Decision(target=None, stay_s=never, reason="no candidate layout can be switched to now")
+    total, target, c = min(now, key=lambda x: x[0])
+    decision = dict(stay_s=never, switch_s=total, cost=c, kv_mode=c.kv_mode)
+    if waiting <= total:
+        return Decision(target=None, **decision, reason=f"waiting is predicted {total - waiting:.3g}s better "
+                        f"than switching to {target} now")
+    if never - total < config.margin * c.total + config.min_saving_s:
+        return Decision(target=None, **decision, reason=f"switching to {target} saves {never - total + c.total:.3g}s, "
+                        f"which does not pay for the switch ({c.total:.3g}s) with margin {config.margin}")
+    return Decision(target=target, **decision, reason=f"switching to {target} saves {never - total + c.total:.3g}s "
+                    f"for a switch of {c.total:.3g}s")
 
 
 class Decider:
