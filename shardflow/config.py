@@ -84,8 +84,18 @@ class GenerationConfig:
     stop_token_ids: list = _f([], "token ids that end a response besides the tokenizer's EOS")
     kv_cache_gb: float = _f(0.0, "KV cache budget per rank in GiB (0 = a default share of free memory)")
     force_length: bool = _f(False, "ignore EOS and stop tokens: every response gets max_new_tokens (benchmarks)")
+    adaptive_tp: bool = _f(False, "switch generation to the plan's tp_targets mid-decode when that is predicted to pay")
+    adaptive_interval: int = _f(32, "adaptive TP: decode steps between switch decisions")
+    adaptive_margin: float = _f(0.25, "adaptive TP: switch when the predicted saving exceeds the switch cost by "
+                                      "this fraction of it")
+    adaptive_kv: str = _f("auto", "adaptive TP: KV caches of moved requests: auto (cost model) | migrate | recompute")
+    adaptive_step_times: str = _f("", "adaptive TP: measured decode step times (JSON written by "
+                                      "bench/adaptive_tp.py); empty: the roofline")
 
     def check(self, where: str) -> None:
+        _positive(f"{where}.adaptive_interval", self.adaptive_interval)
+        _positive(f"{where}.adaptive_margin", self.adaptive_margin, allow_zero=True)
+        _choice(f"{where}.adaptive_kv", self.adaptive_kv, ("auto", "migrate", "recompute"))
         _positive(f"{where}.max_new_tokens", self.max_new_tokens)
         _positive(f"{where}.samples_per_prompt", self.samples_per_prompt)
         _positive(f"{where}.temperature", self.temperature, allow_zero=True)

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from gen_helpers import prompts
+from shardflow.config import GenerationConfig
 from shardflow.engine.adaptive.generator import AdaptiveConfig, AdaptiveGenerator
+from shardflow.engine.adaptive.setup import adaptive_generator
 from shardflow.engine.adaptive.switch_policy import PolicyConfig
 from shardflow.engine.adaptive.trace import GenerationTrace, plot_trace
 from shardflow.engine.generate import Engine, EngineConfig
@@ -17,6 +19,7 @@ from shardflow.engine.replicas import generate_replicated, replica_share
 from shardflow.engine.requests import SamplingParams, make_requests
 from shardflow.models.checkpoint import load_model
 from shardflow.parallel.layout import Layout
+from shardflow.plan.execution_plan import CallPlan
 
 # float32 on both sides; a switch changes tp, which only reorders sums (a few ulps).
 LOGPROB_ATOL = 1e-4
@@ -52,9 +55,14 @@ def adaptive_job(world, path: str, start: str, targets: list[str], runs: dict, p
     config = EngineConfig(**engine_kwargs)
     static = generate_replicated(Engine(model, config, eos_token_ids=model.cfg.eos_token_ids), start_l, world,
                                  make_requests(ids, per_prompt, samples))
-    generator = AdaptiveGenerator(world, model, target_ls, engine_config=config,
-                                  eos_token_ids=model.cfg.eos_token_ids,
-                                  config=AdaptiveConfig(policy=PolicyConfig(interval=interval)), steps=steps)
+    if steps is None:  # the runtime's way in: the plan's targets and the generation config
+        generator = adaptive_generator(world, model, CallPlan(layout=start_l, tp_targets=tuple(target_ls)),
+                                       GenerationConfig(adaptive_tp=True, adaptive_interval=interval),
+                                       engine_config=config, eos_token_ids=model.cfg.eos_token_ids)
+    else:
+        generator = AdaptiveGenerator(world, model, target_ls, engine_config=config,
+                                      eos_token_ids=model.cfg.eos_token_ids,
+                                      config=AdaptiveConfig(policy=PolicyConfig(interval=interval)), steps=steps)
     out = {"static": static and [(r.output_ids, r.output_logprobs, r.finish_reason) for r in static],
            "refused": [r.reason for r in generator.refused], "finish_ok": True}
     for name, schedule in runs.items():

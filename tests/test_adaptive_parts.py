@@ -136,3 +136,18 @@ def test_what_fits_in_the_caches():
     assert "would decode 4 requests, but a rank's KV cache holds 3" in fit_problem(cfg, replicated, [2, 2], 3,
                                                                                    "recompute")
     assert clean_slots(7, 2, [1]) == [0, 1, 4, 5, 6]
+
+
+def test_configuration_turns_it_on_and_checks_it():
+    from shardflow.config import GenerationConfig, load_config
+    from shardflow.engine.adaptive.setup import adaptive_generator, check_adaptive
+    from shardflow.plan.execution_plan import CallPlan
+
+    call = CallPlan(layout=L("d2p1t1@0-1"))
+    assert adaptive_generator(None, None, call, GenerationConfig(), engine_config=None) is None  # off: static path
+    check_adaptive("actor_gen", call, GenerationConfig())
+    with pytest.raises(ValueError, match="plan gives 'actor_gen' no tp_targets"):
+        check_adaptive("actor_gen", call, GenerationConfig(adaptive_tp=True))
+    with pytest.raises(ValueError, match="generation.adaptive_kv must be one of auto, migrate, recompute"):
+        load_config(None, ["generation.adaptive_kv=copy"], base={"models": {"actor": {"path": "x"}},
+                                                                 "data": {"path": "x"}})

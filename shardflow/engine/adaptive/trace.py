@@ -18,17 +18,17 @@ class SwitchRecord:
     source: str
     target: str
     kv_mode: str
-    requests: int  # active requests of the first rank's merged replica
-    weights_s: float  # seconds on the first rank, by part
-    requests_s: float  # exchanging request states
-    kv_s: float
-    groups_s: float  # communication groups are created before generation: looked up only
-    graphs_s: float
     total_s: float
-    weight_bytes: int  # reallocated to the busiest rank (0 when the target nests: views)
-    kv_bytes: int  # KV received by migration on the first rank
-    extra_bytes_bound: int  # most extra memory the switch's buffers take on the first rank
-    peak_extra_bytes: int | None  # measured (CUDA): peak allocated during the switch minus before
+    requests: int = 0  # active requests of the first rank's merged replica
+    weights_s: float = 0.0  # seconds on the first rank, by part
+    requests_s: float = 0.0  # exchanging request states
+    kv_s: float = 0.0
+    groups_s: float = 0.0  # communication groups are created before generation: looked up only
+    graphs_s: float = 0.0
+    weight_bytes: int = 0  # reallocated to the busiest rank (0 when the target nests: views)
+    kv_bytes: int = 0  # KV received by migration on the first rank
+    extra_bytes_bound: int = 0  # most extra memory the switch's buffers take on the first rank
+    peak_extra_bytes: int | None = None  # measured (CUDA): peak allocated during the switch minus before
     predicted_saving_s: float | None = None
     predicted_cost_s: float | None = None
 
