@@ -48,7 +48,6 @@ from shardflow.engine.adaptive.switch_cost import CostParams, SwitchCostModel  #
 from shardflow.engine.adaptive.switch_policy import Decider, PolicyConfig  # noqa: E402
 from shardflow.engine.adaptive.trace import GenerationTrace, SwitchRecord, plot_trace  # noqa: E402
 from shardflow.engine.generate import Engine, EngineConfig  # noqa: E402
-from shardflow.engine.kv_cache import bytes_per_slot  # noqa: E402
 from shardflow.engine.replicas import generate_replicated  # noqa: E402
 from shardflow.engine.requests import Request, SamplingParams, make_requests  # noqa: E402
 from shardflow.models.config import ModelConfig  # noqa: E402

@@ -151,3 +151,29 @@ def test_configuration_turns_it_on_and_checks_it():
     with pytest.raises(ValueError, match="generation.adaptive_kv must be one of auto, migrate, recompute"):
         load_config(None, ["generation.adaptive_kv=copy"], base={"models": {"actor": {"path": "x"}},
                                                                  "data": {"path": "x"}})
+
+
+def test_one_rank_generator_refusals_and_bad_schedules(checkpoints):
+    """A one-rank layout has nothing to merge: targets are refused when the generator is built and it
+    generates what the plain engine does; malformed forced switches are errors before any work."""
+    from gen_helpers import local_model, prompts
+    from shardflow.engine.adaptive.generator import AdaptiveGenerator
+    from shardflow.engine.generate import Engine, EngineConfig
+    from shardflow.engine.requests import SamplingParams, make_requests
+    from shardflow.parallel.world import World
+
+    model = local_model(checkpoints.get("llama", "llama"))
+    world = World(rank=0, size=1, device=torch.device("cpu"), backend="gloo")
+    generator = AdaptiveGenerator(world, model, [L("d1p1t2@0-1")], engine_config=EngineConfig(max_seq_len=64))
+    [refusal] = generator.refused
+    assert refusal.step == -1 and "d1p1t2@0-1 is not reachable from d1p1t1@0" in refusal.reason
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    reference = Engine(model, EngineConfig(max_seq_len=64)).generate(make_requests(prompts(), params))
+    done = generator.generate(make_requests(prompts(), params))
+    assert [r.output_ids for r in done] == [r.output_ids for r in reference]
+    assert generator.last_trace.switches == [] and len(generator.last_trace.refusals) == 1
+    for bad in ({-1: (L("d1p1t1@0"), "auto")}, {3: ("d1p1t1@0", "auto")}, {3: (L("d1p1t1@0"), "copy")}):
+        with pytest.raises(ValueError, match="a forced switch must be step"):
+            generator.generate(make_requests(prompts(), params), schedule=bad)
+    with pytest.raises(ValueError, match="leave no room to generate"):
+        generator.generate(make_requests([[5] * 70], params))

@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 # A forced switch: at decode step s, switch to layout L with KV mode m ("migrate", "recompute" or
 # "auto" for the cost model's choice).
 Schedule = Mapping[int, tuple[Layout, str]]
-BUSY, ACTIVE, WAITING = 0, 1, 2  # columns of a rank's summary before the bucket sums
+BUSY, ACTIVE = 0, 1  # columns of a rank's summary (then the waiting count and the bucket sums)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,6 +165,10 @@ class AdaptiveGenerator:
             if layout_engine.busy:
                 raise RuntimeError("an engine still holds requests from an interrupted generation")
         _check_requests(requests, engine.max_seq_len)
+        for step, (target, mode) in (schedule or {}).items():
+            if not isinstance(step, int) or step < 0 or not isinstance(target, Layout) or mode not in ("auto", *KV_MODES):
+                raise ValueError(f"a forced switch must be step (>= 0) -> (Layout, 'auto' | 'migrate' | 'recompute'), "
+                                 f"got {step!r} -> {(target, mode)!r}")
         self._ensure_cache()
         self._refresh_graphs()
         max_new = max((r.params.max_new_tokens for r in requests), default=1)
@@ -207,11 +211,11 @@ class AdaptiveGenerator:
 
     def _gather(self, engine: Engine, edges: np.ndarray) -> np.ndarray:
         """[ranks of the layout, 3 + 3G]: busy, active, waiting, then bucket sums (count,
-        generated, context) of the unfinished requests (waiting ones as 0 generated), by rank."""
-        waiting = [r for unit in engine.waiting for r in unit]
-        sums = bucket_sums([len(r.output_ids) for r in engine.active] + [0] * len(waiting),
-                           [r.num_tokens for r in engine.active + waiting], edges)
-        mine = np.concatenate([[float(engine.busy), len(engine.active), len(waiting)], sums.reshape(-1)])
+        generated, context) of the unfinished requests, by rank."""
+        unfinished = engine.active + [r for unit in engine.waiting for r in unit]
+        sums = bucket_sums([len(r.output_ids) for r in unfinished], [r.num_tokens for r in unfinished], edges)
+        mine = np.concatenate([[float(engine.busy), len(engine.active), len(unfinished) - len(engine.active)],
+                               sums.reshape(-1)])
         if self.group is None:
             return mine[None]
         local = torch.tensor(mine, dtype=torch.float64, device=engine.device)
