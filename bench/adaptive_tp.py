@@ -3,6 +3,7 @@
     python bench/adaptive_tp.py --out runs/bench-adaptive          # GPUs (see below)
     python bench/adaptive_tp.py --out runs/bench-adaptive --tiny   # any machine: tiny model, short lengths
     python bench/adaptive_tp.py --out runs/bench-adaptive --tiny --one-device   # the one-GPU path on CPU
+    python bench/adaptive_tp.py --out runs/bench-adaptive --roofline   # no device: the roofline's expectation
 
 Workload: 128 prompts of 256 random tokens with forced output lengths (EOS ignored) drawn from a
 lognormal with median 2048 and 10% above 8192, capped at 16384; LLaMA-3.1-8B-shaped random bf16
@@ -297,6 +298,26 @@ def _workload(lengths, history, prompt) -> dict:
 
 # ----- one GPU: measured step times, simulated timeline ---------------------------------------------
 
+def roofline_only(args: dict) -> None:
+    """No device at all: every strategy simulated from the roofline of an H200 (an expectation)."""
+    start_time = time.time()
+    cfg = ModelConfig.from_hf_dict(SHAPES[args["shape"]])
+    n, prompt, median, over, cap, *_ = WORKLOADS[args["shape"]]
+    steps_model = RooflineStepTime(cfg)
+    costs = SwitchCostModel(cfg, steps_model)
+    lengths = forced_lengths(n, 1, median, over, cap)
+    history = [forced_lengths(n, seed, median, over, cap) for seed in (2, 3)]
+    # KV slots one H200 holds in d2t1: 90% of 141 GB less the weights, over one slot of prompt + cap tokens
+    per_slot = (prompt + cap) * cfg.kv_bytes_per_token(2)
+    slots = min(n, int((0.9 * 141e9 - 2 * cfg.num_params()) // per_slot) - 1)
+    sim = simulated(cfg, lengths, history, prompt, steps_model, costs, slots, args["interval"])
+    plot_trace(sim.pop("_adaptive_trace"), Path(args["out"]) / "adaptive_trace_simulated.png",
+               "adaptive d2t1 -> d1t2 (simulated from the H200 roofline)")
+    finish(dict(mode=args["mode"], shape=args["shape"], dtype="bfloat16", started=start_time, step_tables=None,
+                graph_capture_s=0.0, workload=_workload(lengths, history, prompt), measured=None, simulated=sim,
+                kv_slots_per_rank_d2t1=slots), Path(args["out"]))
+
+
 def single_gpu(args: dict) -> None:
     cfg = ModelConfig.from_hf_dict(SHAPES[args["shape"]])
     n, prompt, median, over, cap, batches, contexts, timed = WORKLOADS[args["shape"]]
@@ -383,15 +404,19 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny model and lengths on two CPU processes")
     parser.add_argument("--interval", type=int, default=None, help="decode steps between decisions")
     parser.add_argument("--hindsight-points", type=int, default=6, help="forced switch steps measured")
+    parser.add_argument("--roofline", action="store_true",
+                        help="no measurement: simulate every strategy from the roofline of an H200")
     parser.add_argument("--one-device", action="store_true",
                         help="the one-GPU path (step times measured, timeline simulated) even with more devices")
     args = parser.parse_args()
     gpus = torch.cuda.device_count()
-    shape = "tiny" if args.tiny or gpus == 0 else "8b"
+    shape = "tiny" if args.tiny or (gpus == 0 and not args.roofline) else "8b"
     options = dict(out=args.out, shape=shape, interval=args.interval or (32 if shape == "8b" else 8),
                    hindsight_points=args.hindsight_points)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    if args.one_device or (gpus == 1 and not args.tiny):
+    if args.roofline:
+        roofline_only(dict(options, mode="roofline only (H200 rates), simulated timeline"))
+    elif args.one_device or (gpus == 1 and not args.tiny):
         single_gpu(dict(options, mode=f"one {'GPU' if gpus else 'CPU'}: measured step times, simulated timeline"))
     elif gpus >= 2 and not args.tiny:
         launch(compare, 2, dict(options, mode="two GPUs, measured"), backend="nccl")

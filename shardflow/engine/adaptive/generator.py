@@ -321,7 +321,7 @@ class AdaptiveGenerator:
         old_slot = {r.request_id: r.slot for r in active}
         parts = gather_requests(self.world.groups.get(target.tp_group(rank)), merge, rank, active, waiting)
         merged = [r for p in parts for r in p.active]
-        queued = [r for p in parts for r in p.waiting]
+        queued = sorted((r for p in parts for r in p.waiting), key=lambda r: r.request_id)  # first come, first served
         t2 = time.perf_counter()
 
         kv_bytes = extra = 0

@@ -3,7 +3,7 @@
 Used to test the switch policy where the right answer is known, and by the benchmark to build
 timelines from measured step times where the hardware to run them is missing. It follows the
 engine's rules: prompts dealt to replicas round-robin, first come first served admission into
-free KV slots, a prefill that yields each request's first token, one token per request per
+free KV slots (merged replicas queue their waiting requests in submission order), a prefill that yields each request's first token, one token per request per
 decode step, replicas decoding independently and meeting at every decision point (where the
 generator gathers their state), a switch merging replicas' requests (and their free KV room).
 Every figure it produces is a simulation.
@@ -34,7 +34,7 @@ class SimRequest:
 @dataclass
 class _Replica:
     active: list[list[int]] = field(default_factory=list)  # [tokens left, context, generated]
-    waiting: deque = field(default_factory=deque)  # SimRequest
+    waiting: deque = field(default_factory=deque)  # (submission index, SimRequest)
     clock: float = 0.0
 
 
@@ -58,7 +58,7 @@ def simulate(requests: Sequence[SimRequest], chain: Sequence[Layout], *, slots: 
     layout = chain[0]
     replicas = [_Replica() for _ in range(layout.dp)]
     for i, r in enumerate(requests):
-        replicas[i % layout.dp].waiting.append(r)
+        replicas[i % layout.dp].waiting.append((i, r))
     max_len = max(r.length for r in requests)
     edges = bucket_edges(decider.predictor.max_len if decider else max_len, length_buckets)
     schedule = dict(schedule or {})
@@ -82,7 +82,7 @@ def simulate(requests: Sequence[SimRequest], chain: Sequence[Layout], *, slots: 
             target, reason = schedule.get(step), "forced"
             if target is None and decider is not None and step % interval == 0:
                 sums = np.stack([bucket_sums([a[2] for a in r.active] + [0] * len(r.waiting),
-                                             [a[1] for a in r.active] + [w.prompt for w in r.waiting], edges)
+                                             [a[1] for a in r.active] + [w.prompt for _, w in r.waiting], edges)
                                  for r in replicas])
                 loads = Loads.from_sums(sums[:, 0], sums[:, 1], sums[:, 2])
                 decision = decider.decide(layout, loads, [len(r.active) for r in replicas], slots)
@@ -94,7 +94,7 @@ def simulate(requests: Sequence[SimRequest], chain: Sequence[Layout], *, slots: 
         for r in replicas:
             admitted = []
             while r.waiting and len(r.active) + len(admitted) < slots:
-                admitted.append(r.waiting.popleft())
+                admitted.append(r.waiting.popleft()[1])
             if admitted:
                 tokens = sum(a.prompt for a in admitted)
                 r.clock += steps.prefill(tp, tokens, tokens / len(admitted))
@@ -132,7 +132,7 @@ def _switch(cfg, layout: Layout, target: Layout, replicas: list[_Replica], slots
         r = _Replica(clock=replicas[members[0]].clock + cost.total)
         for m in members:
             r.active += replicas[m].active
-            r.waiting.extend(replicas[m].waiting)
+        r.waiting.extend(sorted((w for m in members for w in replicas[m].waiting), key=lambda w: w[0]))
         merged.append(r)
     result.switches.append(dict(step=step, source=str(layout), target=str(target), kv_mode=cost.kv_mode,
                                 cost_s=cost.total, reason=reason))
