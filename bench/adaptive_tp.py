@@ -53,6 +53,7 @@ from shardflow.engine.replicas import generate_replicated  # noqa: E402
 from shardflow.engine.requests import Request, SamplingParams, make_requests  # noqa: E402
 from shardflow.models.config import ModelConfig  # noqa: E402
 from shardflow.models.transformer import build_model  # noqa: E402
+from shardflow.parallel import comm  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.parallel.sharding import shard_for  # noqa: E402
 from shardflow.parallel.world import World  # noqa: E402
@@ -120,6 +121,34 @@ def measure_steps(engine: Engine, batches, contexts, steps: int) -> StepTable:
     return StepTable(tuple(float(b) for b in batches), tuple(float(c) for c in contexts), tuple(rows))
 
 
+def measure_prefill(engine: Engine, prompts: int, tokens: int) -> float:
+    """Seconds per token of prefilling ``prompts`` prompts of ``tokens`` tokens (second of two runs)."""
+    seconds = 0.0
+    for i in range(2):
+        requests = make_requests([[3 + i + p] * tokens for p in range(prompts)],
+                                 SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+        engine.submit(requests)
+        sync(engine.device)
+        start = time.perf_counter()
+        engine.prefill_waiting()  # one token each: they end at once and free their slots
+        sync(engine.device)
+        seconds = time.perf_counter() - start
+    return seconds / (prompts * tokens)
+
+
+def measure_p2p(world: World, nbytes: int) -> float:
+    """Bytes per second one way between ranks 0 and 1, both sending at once (as KV migration does)."""
+    peer = 1 - world.rank
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=world.device)
+    for i in range(3):
+        sync(world.device)
+        start = time.perf_counter()
+        comm.exchange([(buf, peer)], [((nbytes,), torch.uint8, world.device, peer)])
+        sync(world.device)
+        seconds = time.perf_counter() - start
+    return nbytes / seconds
+
+
 def graph_capture_seconds(engine: Engine, batch: int) -> float:
     if not engine.use_graphs:
         return 0.0
@@ -172,18 +201,23 @@ def compare(world: World, args: dict) -> None:
 
     # 1. decode step times: tp=1 on each replica (rank 0's kept), tp=2 over both ranks
     probe = EngineConfig(max_seq_len=max(contexts) + timed + 8, max_batch_size=2 * max(batches))
-    tables = {}
+    tables, prefill = {}, {}
     for tp, m, batch_grid in ((1, model, batches), (2, merged, tuple(batches) + (2 * max(batches),))):
         engine = Engine(m, probe)
         log(f"measuring decode steps, tp={tp}, batches {batch_grid}, contexts {contexts}")
         tables[tp] = measure_steps(engine, [b for b in batch_grid if b <= engine.cache.num_slots], contexts, timed)
+        prefill[tp] = measure_prefill(engine, min(8, engine.cache.num_slots), min(contexts))
         capture = graph_capture_seconds(engine, 1)
         engine.release_cache()
         del engine
-    steps_model = TableStepTime(tables, RooflineStepTime(cfg, dtype_bytes=torch.empty((), dtype=dtype).element_size()))
+    steps_model = TableStepTime(tables, RooflineStepTime(cfg, dtype_bytes=torch.empty((), dtype=dtype).element_size()),
+                                prefill_per_token=prefill)
     if world.rank == 0:
         steps_model.save(Path(args["out"]) / "decode_steps.json")  # for generation.adaptive_step_times
-    costs = SwitchCostModel(cfg, steps_model, Hardware(), CostParams(graph_capture_s=capture))
+    p2p = measure_p2p(world, (1 << 30) if device.type == "cuda" else (16 << 20))
+    log(f"point-to-point {p2p / 1e9:.1f} GB/s one way, both ways at once")
+    hardware = Hardware(p2p_bandwidth=p2p)
+    costs = SwitchCostModel(cfg, steps_model, hardware, CostParams(graph_capture_s=capture))
 
     # 2. the generations, all on the same requests
     lengths = forced_lengths(n, 1, median, over, cap)
@@ -216,7 +250,7 @@ def compare(world: World, args: dict) -> None:
         timed_run(name, lambda reqs: generate_replicated(engine, layout, world, reqs))
         engine.release_cache()
         del engine
-    generator = AdaptiveGenerator(world, model, [TARGET], engine_config=config, steps=steps_model,
+    generator = AdaptiveGenerator(world, model, [TARGET], engine_config=config, steps=steps_model, hardware=hardware,
                                   config=AdaptiveConfig(policy=PolicyConfig(interval=args["interval"])),
                                   cost_params=CostParams(graph_capture_s=capture))
     for engine in generator.engines.values():
@@ -257,6 +291,7 @@ def compare(world: World, args: dict) -> None:
     plot_trace(sim.pop("_adaptive_trace"), Path(args["out"]) / "adaptive_trace_simulated.png",
                "adaptive d2t1 -> d1t2 (simulated from measured step times)")
     report.update(step_tables={str(tp): vars(t) for tp, t in tables.items()}, tables_include_comm=True,
+                  prefill_s_per_token={str(tp): v for tp, v in prefill.items()}, p2p_gb_per_s=p2p / 1e9,
                   graph_capture_s=capture, workload=_workload(lengths, history, prompt), measured=runs,
                   simulated=sim, kv_slots_per_rank_d2t1=slots)
     finish(report, Path(args["out"]))
@@ -329,17 +364,19 @@ def single_gpu(args: dict) -> None:
     full = random_shard(cfg, Layout((0,)), 0, None, device, dtype)
     half = random_shard(cfg, TARGET, 0, None, device, dtype)  # one tp=2 shard, run without its collectives
     probe = EngineConfig(max_seq_len=max(contexts) + timed + 8, max_batch_size=2 * max(batches))
-    tables = {}
+    tables, prefill = {}, {}
     for tp, m, grid in ((1, full, batches), (2, half, tuple(batches) + (2 * max(batches),))):
         engine = Engine(m, probe)
         print(f"[{time.time() - start_time:4.0f}s] measuring decode steps tp={tp} (collectives not included)", flush=True)
         tables[tp] = measure_steps(engine, [b for b in grid if b <= engine.cache.num_slots], contexts, timed)
+        prefill[tp] = measure_prefill(engine, min(8, engine.cache.num_slots), min(contexts))
         capture = graph_capture_seconds(engine, 1)
         engine.release_cache()
         del engine
     del half
     item = torch.empty((), dtype=dtype).element_size()
-    steps_model = TableStepTime(tables, RooflineStepTime(cfg, dtype_bytes=item), add_comm=True)
+    steps_model = TableStepTime(tables, RooflineStepTime(cfg, dtype_bytes=item), add_comm=True,
+                                prefill_per_token=prefill)
     steps_model.save(Path(args["out"]) / "decode_steps.json")  # for generation.adaptive_step_times
     costs = SwitchCostModel(cfg, steps_model, Hardware(), CostParams(graph_capture_s=capture))
     lengths = forced_lengths(n, 1, median, over, cap)
@@ -350,6 +387,7 @@ def single_gpu(args: dict) -> None:
                "adaptive d2t1 -> d1t2 (simulated from one GPU's step times)")
     finish(dict(mode=args["mode"], shape=args["shape"], dtype=str(dtype), started=start_time,
                 step_tables={str(tp): vars(t) for tp, t in tables.items()}, tables_include_comm=False,
+                prefill_s_per_token={str(tp): v for tp, v in prefill.items()},
                 comm_model="roofline: 15 us latency per collective, 360 GB/s bus bandwidth (Hardware defaults)",
                 graph_capture_s=capture, workload=_workload(lengths, history, prompt), measured=None, simulated=sim,
                 kv_slots_per_rank_d2t1=slots), Path(args["out"]))

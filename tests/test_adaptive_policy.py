@@ -131,9 +131,12 @@ def test_measured_tables_interpolate_and_fall_back(tmp_path):
         roofline.decode(2, np.array([1]), np.array([0]))[0] * ratio)
     with_comm = TableStepTime({1: table, 2: table}, roofline, add_comm=True)
     assert with_comm.decode(2, np.array([1]), np.array([0]))[0] == pytest.approx(1.0 + roofline.comm(2, np.array([1]))[0])
+    assert with_comm.prefill(2, 1000, 100) == roofline.prefill(2, 1000, 100)  # not measured: the roofline
+    with_comm.prefill_per_token[2] = 1e-5
+    assert with_comm.prefill(2, 1000, 100) == pytest.approx(1e-2 + roofline.comm(2, np.array(1000)))
     with_comm.save(tmp_path / "steps.json")
     loaded = TableStepTime.load(tmp_path / "steps.json", roofline)
-    assert loaded.tables == with_comm.tables and loaded.add_comm
+    assert loaded.tables == with_comm.tables and loaded.add_comm and loaded.prefill_per_token == {2: 1e-5}
     (tmp_path / "bad.json").write_text('{"format": "shardflow-decode-steps/1", "tables": {"1": {"batches": [2, 1]}}}')
     with pytest.raises(ValueError, match="bad.json is malformed"):
         TableStepTime.load(tmp_path / "bad.json", roofline)

@@ -21,6 +21,7 @@ the request states over the merged replica's ranks; for migration, ``comm.exchan
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Sequence
 
 import torch
@@ -82,6 +83,7 @@ def _heads(cfg: ModelConfig, layout, rank: int) -> tuple[int, int]:
     return shard.kv_head_start, shard.num_kv_heads
 
 
+@lru_cache(maxsize=1024)
 def keeps_own(cfg: ModelConfig, merge: Merge, rank: int) -> bool:
     """Does ``rank`` already hold, for the requests of its own old replica, the heads it needs?"""
     new0, new_n = _heads(cfg, merge.dst, rank)
@@ -89,6 +91,7 @@ def keeps_own(cfg: ModelConfig, merge: Merge, rank: int) -> bool:
     return old0 <= new0 and new0 + new_n <= old0 + old_n
 
 
+@lru_cache(maxsize=256)
 def regroup_factor(cfg: ModelConfig, merge: Merge) -> int:
     """Slots of the new cache view per slot of the old one (old KV heads per rank / new)."""
     rank = merge.src.ranks[0]

@@ -10,7 +10,9 @@ arrays. Three sources, one interface (``decode`` and ``prefill``):
 - ``TableStepTime``: measured step times on a (batch, context) grid per tp, interpolated
   bilinearly (decode time is close to affine in both), with the roofline for any tp not measured
   (scaled by the measured/roofline ratio of the nearest measured tp). ``add_comm`` adds the
-  modelled collectives to tables measured on one GPU without them. Saved as JSON by the benchmark.
+  modelled collectives to tables measured on one GPU without them. Prefill: measured seconds per
+  token per tp where given (prefill of a full batch is compute-bound, close to linear in tokens),
+  else the roofline. Saved as JSON by the benchmark.
 - ``LayerStepTime``: a per-layer decode time from elsewhere (e.g. the planner's profiled
   ``OpCosts.decode_layer`` bound to the model config) times the layers, plus the head and the
   collectives from the roofline.
@@ -141,8 +143,10 @@ class StepTable:
 
 
 class TableStepTime:
-    def __init__(self, tables: dict[int, StepTable], roofline: RooflineStepTime, *, add_comm: bool = False):
+    def __init__(self, tables: dict[int, StepTable], roofline: RooflineStepTime, *, add_comm: bool = False,
+                 prefill_per_token: dict[int, float] | None = None):
         self.tables, self.roofline, self.add_comm = dict(tables), roofline, add_comm
+        self.prefill_per_token = dict(prefill_per_token or {})
 
     def decode(self, tp: int, batch: np.ndarray, context: np.ndarray) -> np.ndarray:
         if tp in self.tables:
@@ -155,10 +159,14 @@ class TableStepTime:
         return self.roofline.decode(tp, batch, context) * ratio
 
     def prefill(self, tp: int, tokens: float, context: float) -> float:
+        if tp in self.prefill_per_token:
+            comm = float(self.roofline.comm(tp, np.asarray(tokens))) if self.add_comm else 0.0
+            return tokens * self.prefill_per_token[tp] + comm
         return self.roofline.prefill(tp, tokens, context)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "add_comm": self.add_comm,
+                "prefill_per_token": {str(tp): s for tp, s in self.prefill_per_token.items()},
                 "tables": {str(tp): {"batches": list(t.batches), "contexts": list(t.contexts),
                                      "seconds": [list(r) for r in t.seconds]} for tp, t in self.tables.items()}}
 
@@ -176,9 +184,10 @@ class TableStepTime:
                 raise ValueError(f"expected format {FORMAT!r}")
             tables = {int(tp): StepTable(tuple(t["batches"]), tuple(t["contexts"]),
                                          tuple(tuple(r) for r in t["seconds"])) for tp, t in raw["tables"].items()}
+            prefill = {int(tp): float(s) for tp, s in raw.get("prefill_per_token", {}).items()}
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"decode step-time file {path} is malformed: {e}") from None
-        return cls(tables, roofline, add_comm=bool(raw.get("add_comm", False)))
+        return cls(tables, roofline, add_comm=bool(raw.get("add_comm", False)), prefill_per_token=prefill)
 
 
 class LayerStepTime:
