@@ -11,7 +11,7 @@ import pytest
 from shardflow.engine.adaptive.length_predictor import LengthPredictor
 from shardflow.engine.adaptive.merge import plan_merge
 from shardflow.engine.adaptive.simulate import SimRequest, simulate
-from shardflow.engine.adaptive.step_time import (Hardware, RooflineStepTime, StepTable, TableStepTime)
+from shardflow.engine.adaptive.step_time import Hardware, LayerStepTime, RooflineStepTime, StepTable, TableStepTime
 from shardflow.engine.adaptive.switch_cost import CostParams, SwitchCostModel
 from shardflow.engine.adaptive.switch_policy import Decider, Loads, PolicyConfig, bucket_edges, bucket_sums
 from shardflow.models.config import ModelConfig
@@ -137,6 +137,10 @@ def test_measured_tables_interpolate_and_fall_back(tmp_path):
     with_comm.save(tmp_path / "steps.json")
     loaded = TableStepTime.load(tmp_path / "steps.json", roofline)
     assert loaded.tables == with_comm.tables and loaded.add_comm and loaded.prefill_per_token == {2: 1e-5}
+    per_layer = LayerStepTime(lambda tp, batch, context: 1e-4 / tp, roofline)  # e.g. a profiled layer time
+    head = 128256 // 2 * 4096 * 2 / Hardware().hbm_bandwidth  # half the LM head read per step
+    assert per_layer.decode(2, np.array([3]), np.array([10]))[0] == pytest.approx(
+        32 * 0.5e-4 + head + Hardware().step_overhead + roofline.comm(2, np.array([3]))[0])
     (tmp_path / "bad.json").write_text('{"format": "shardflow-decode-steps/1", "tables": {"1": {"batches": [2, 1]}}}')
     with pytest.raises(ValueError, match="bad.json is malformed"):
         TableStepTime.load(tmp_path / "bad.json", roofline)
