@@ -30,6 +30,9 @@ def test_extract_answer():
     (r"The sum is \boxed{12}.", "12", "", 1.0),
     (r"\boxed{\frac{1}{2}}", "0.5", "", 1.0),
     (r"\boxed{0.5}", r"\frac{1}{2}", "", 1.0),
+    (r"so \boxed{\dfrac{3}{4}}", "0.75", "", 1.0),
+    (r"\boxed{\sqrt{2}}", r"\sqrt{2}", "", 1.0),
+    (r"\boxed{\sqrt{3}}", r"\sqrt{2}", "", 0.0),
     ("first 3, finally 12", 12, "", 1.0),  # the last number of the response, numeric answers as text
     ("13", "12", "", 0.0),
     (r"\boxed{13} but 12", "12", "", 0.0),  # the box decides

@@ -7,7 +7,8 @@ ReMax) means writing one function ``(batch, algo, kl_coef) -> batch`` and regist
 ``ESTIMATORS``.
 
 Rewards live in the seq field ``rewards`` (one scalar per sequence); per-token fields follow the
-shared alignment: ``values[t]`` is the value of the state before response token ``t``.
+shared alignment: ``values[t]`` is the value of the state before response token ``t``. The batch
+is expected on the CPU (the work is a few vector operations per response position).
 """
 
 from __future__ import annotations

@@ -75,7 +75,8 @@ def math_score(response: str, answer: Any, *, pattern: str = "") -> float:
     extracted = extract_answer(response, pattern)
     if extracted is None or not extracted.strip():
         return 0.0
-    guess = parse(_as_math(extracted), parsing_timeout=timeout)
+    # an extracted answer is one expression; a whole response is left to math-verify's own search
+    guess = parse(extracted if extracted == response else _as_math(extracted), parsing_timeout=timeout)
     return float(bool(guess) and verify(gold, guess, timeout_seconds=timeout))
 
 

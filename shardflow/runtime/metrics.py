@@ -25,6 +25,8 @@ CONSOLE_FIRST = (
     ("actor/policy_loss", "pg"), ("critic/value_loss", "vf"), ("actor/grad_norm", "gnorm"),
     ("time/iteration", "time"),
 )
+# other keys worth a place on the console, by their last part (everything goes to JSONL and TensorBoard)
+CONSOLE_ALSO = ("policy_loss", "value_loss", "grad_norm", "clip_frac", "entropy", "kl", "lr", "tokens_per_s")
 
 
 def rollout_metrics(batch: SequenceBatch, *, max_new_tokens: int) -> dict[str, float]:
@@ -65,7 +67,8 @@ def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def format_line(step: int, metrics: dict[str, Any]) -> str:
-    """``iter 12 | reward 0.53 ± 0.5 | len 4.1 max 9 clip 0% | ... | other/key 1.2`` on one line."""
+    """``iter 12 reward 0.53 ± 0.5 len 4.1 max 9 clip 0% ... | actor_gen 1.2s ... | actor/lr 1e-06``:
+    the main numbers, then the other times, then other losses, norms and rates."""
     parts, shown = [f"iter {step}"], set()
     for key, label in CONSOLE_FIRST:
         if key in metrics:
@@ -76,7 +79,7 @@ def format_line(step: int, metrics: dict[str, Any]) -> str:
     times = [f"{k.removeprefix('time/')} {_number(v)}s" for k, v in sorted(metrics.items())
              if k.startswith("time/") and k not in shown]
     rest = [f"{k} {_number(v)}" for k, v in sorted(metrics.items())
-            if k not in shown and not k.startswith("time/") and _is_number(v)]
+            if k not in shown and k.rsplit("/", 1)[-1] in CONSOLE_ALSO and _is_number(v)]
     return " | ".join([" ".join(parts)] + ([" ".join(times)] if times else []) + rest)
 
 
@@ -89,7 +92,7 @@ def _number(value: Any) -> str:
         return str(value)
     if isinstance(value, int) or (math.isfinite(value) and value == int(value) and abs(value) < 1e6):
         return str(int(value))
-    return f"{value:.4g}"
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
 
 
 class MetricsLogger:
