@@ -147,6 +147,9 @@ def test_actor_loss_terms_by_hand():
     assert stats["entropy"].item() == pytest.approx(0.75)
     assert stats["clip_frac"].item() == 0.0 and stats["approx_kl"].item() == pytest.approx(0.0, abs=1e-7)
     assert loss.item() == pytest.approx(-2.0 + 0.1 * kl - 0.01 * 0.75)
+    # with the KL in the reward (kl_coef 0 here) the KL to the reference is still reported
+    loss, stats = ActorLoss(clip_eps=0.2)({"logprobs": logprobs}, batch, 2.0)
+    assert loss.item() == pytest.approx(-2.0) and stats["kl"].item() == pytest.approx(kl)
     with pytest.raises(ValueError, match="entropy_coef > 0 needs the engine to return 'entropy'"):
         loss_fn({"logprobs": logprobs}, batch, 2.0)
     with pytest.raises(KeyError, match=r"lacks token fields \['advantages'\]"):

@@ -28,7 +28,7 @@ MAX_OPERAND = 5
 # the starting model: ~165K parameters
 MODEL_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2)
-WARMUP_STEPS, WARMUP_BATCH, WARMUP_LR = 30, 64, 3e-3
+WARMUP_STEPS, WARMUP_BATCH, WARMUP_LR = 35, 64, 3e-3
 
 
 def problems(max_operand: int = MAX_OPERAND) -> list[dict[str, str]]:

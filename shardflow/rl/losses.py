@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from shardflow.batch import SequenceBatch
+from shardflow.config import AlgorithmConfig
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -135,9 +136,10 @@ class ActorLoss:
     """Policy loss for ``TrainEngine.step``: clipped surrogate + KL to the reference - entropy bonus.
 
     Reads from the micro-batch the token fields ``logprobs`` (the generator's: the old policy),
-    ``advantages``, ``loss_mask`` and, when ``kl_coef`` > 0, ``ref_logprobs``; from the model
-    outputs ``logprobs`` (new policy) and ``entropy``. Returns ``(loss, stats)``, every stat a
-    detached scalar that sums over micro-batches and DP replicas like the loss.
+    ``advantages``, ``loss_mask`` and ``ref_logprobs`` (needed when ``kl_coef`` > 0; when present
+    the KL is reported either way); from the model outputs ``logprobs`` (new policy) and
+    ``entropy``. Returns ``(loss, stats)``, every stat a detached scalar that sums over
+    micro-batches and DP replicas like the loss.
     """
 
     clip_eps: float
@@ -155,17 +157,23 @@ class ActorLoss:
         new = outputs["logprobs"]  # [tokens] float32
         fields = _fields(micro_batch, ("logprobs", "advantages", "loss_mask"), new)
         mask, lengths = fields["loss_mask"], micro_batch.lengths
+
+        def agg(per_token: torch.Tensor) -> torch.Tensor:
+            return aggregate(per_token, mask, lengths, self.loss_agg, normalizer)
+
+        def stat(per_token: torch.Tensor) -> torch.Tensor:
+            return aggregate(per_token.detach(), mask, lengths, stat_mode(self.loss_agg), normalizer)
+
         pg, clipped = clipped_surrogate(new, fields["logprobs"], fields["advantages"], clip_eps=self.clip_eps,
                                         clip_eps_high=self.clip_eps_high)
         total = pg
-        agg = lambda x, mode=self.loss_agg: aggregate(x, mask, lengths, mode, normalizer)  # noqa: E731
-        stat = lambda x: agg(x.detach(), stat_mode(self.loss_agg))  # noqa: E731
         stats = {"policy_loss": agg(pg.detach()), "clip_frac": stat(clipped),
                  "approx_kl": stat(approx_kl(new, fields["logprobs"]))}
-        if self.kl_coef > 0:
+        if self.kl_coef > 0 or "ref_logprobs" in micro_batch.token_fields:  # reported whenever there is a ref
             ref = _fields(micro_batch, ("ref_logprobs",), new)["ref_logprobs"]
             kl = kl_penalty(new, ref, self.kl_estimator)
-            total = total + self.kl_coef * kl
+            if self.kl_coef > 0:
+                total = total + self.kl_coef * kl
             stats["kl"] = stat(kl)
         if "entropy" in outputs:
             stats["entropy"] = stat(outputs["entropy"])
@@ -206,14 +214,14 @@ class CriticLoss:
         return loss, stats
 
 
-def actor_loss(algo, *, kl_coef: float) -> ActorLoss:
+def actor_loss(algo: AlgorithmConfig, *, kl_coef: float) -> ActorLoss:
     """The actor loss of an ``AlgorithmConfig`` with the iteration's KL coefficient (it adapts)."""
     return ActorLoss(clip_eps=algo.clip_eps, clip_eps_high=algo.clip_eps_high,
                      kl_coef=0.0 if algo.kl_in_reward else kl_coef, kl_estimator=algo.kl_estimator,
                      entropy_coef=algo.entropy_coef, loss_agg=algo.loss_agg)
 
 
-def critic_loss(algo) -> CriticLoss:
+def critic_loss(algo: AlgorithmConfig) -> CriticLoss:
     return CriticLoss(value_clip=algo.value_clip, loss_agg=algo.loss_agg)
 
 

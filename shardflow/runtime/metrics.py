@@ -1,8 +1,10 @@
 """Per-iteration metrics: one readable console line, a JSONL file and TensorBoard scalars.
 
-Keys are slash-separated names (``reward/mean``, ``time/actor_gen``, ``actor/policy_loss``) so
-that TensorBoard groups them; whatever a call reports is passed through under its own name.
-Only one rank (the driver's rank 0) should own a ``MetricsLogger``.
+Keys are slash-separated names so that TensorBoard groups them: ``reward/*`` and
+``response_length/*`` from ``rollout_metrics``, a train call's stats under its model
+(``actor/policy_loss``, ``actor/grad_norm``, ``critic/value_loss``), times under ``time/``
+(``time/actor_gen``, ``time/realloc/actor``, ``time/iteration``). Whatever a call reports is passed
+through under its own name. Only one rank (the driver's rank 0) should own a ``MetricsLogger``.
 """
 
 from __future__ import annotations
