@@ -105,7 +105,7 @@ def test_actor_loss_is_exact_across_replicas_and_micro_batches(mode):
                         loss_agg=mode)
 
     # the whole batch at once
-    loss, stats = loss_fn({"logprobs": new_full, "entropy": entropy}, batch, loss_fn.count(batch))
+    loss, stats = loss_fn({"logprobs": new_full, "entropy": entropy}, batch, loss_fn.normalizer(batch))
     loss.backward()
     grad_full = new_full.grad.clone()
     new_full.grad = None
@@ -114,8 +114,8 @@ def test_actor_loss_is_exact_across_replicas_and_micro_batches(mode):
     # the count summed over every micro-batch of every replica
     replicas = [[[3, 0], [5]], [[6, 1, 2], [4]]]
     micro_batches = [batch.select(ids) for replica in replicas for ids in replica]
-    normalizer = sum(loss_fn.count(mb) for mb in micro_batches)
-    assert normalizer == loss_fn.count(batch)
+    normalizer = sum(loss_fn.normalizer(mb) for mb in micro_batches)
+    assert normalizer == loss_fn.normalizer(batch)
     rows = [torch.arange(int(batch.offsets[i]), int(batch.offsets[i + 1])) for i in range(len(batch))]
     total, summed = 0.0, {k: 0.0 for k in stats}
     for ids in [ids for replica in replicas for ids in replica]:
@@ -173,13 +173,13 @@ def test_critic_loss_by_hand_and_across_micro_batches(mode):
         "loss_mask": [torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 1.0])]})
     new = torch.tensor([5.0, 1.0, 2.0, 5.0, 0.5])
     loss_fn = CriticLoss(value_clip=0.2, loss_agg=mode)
-    loss, stats = loss_fn({"values": new}, batch, loss_fn.count(batch))
+    loss, stats = loss_fn({"values": new}, batch, loss_fn.normalizer(batch))
     # per token: 0.5 and 2.645 (as in test_clipped_value_loss_by_hand) and 0.5 * (0.5 - 1)^2 = 0.125
     expected = (0.5 + 2.645 + 0.125) / 3 if mode == "token-mean" else ((0.5 + 2.645) + 0.125) / 2
     assert loss.item() == pytest.approx(expected)
     clip_frac = 1 / 3 if mode == "token-mean" else (0.5 + 0.0) / 2
     assert stats["value_clip_frac"].item() == pytest.approx(clip_frac)
-    normalizer = loss_fn.count(batch)
+    normalizer = loss_fn.normalizer(batch)
     parts = [loss_fn({"values": new[:3]}, batch.select([0]), normalizer)[0],
              loss_fn({"values": new[3:]}, batch.select([1]), normalizer)[0]]
     assert sum(p.item() for p in parts) == pytest.approx(expected)

@@ -10,8 +10,8 @@ of the global batch. That needs one global count, the ``normalizer``:
   seq-mean-token-mean   sum over sequences of (mean over its response tokens) / sequences in the step
   seq-mean-token-sum    sum over sequences of (sum over its response tokens) / sequences in the step
 
-``ActorLoss.count`` / ``CriticLoss.count`` give a batch's part of that count; the engine sums it
-over the step's micro-batches and all-reduces the sum over the DP group.
+``ActorLoss.normalizer`` / ``CriticLoss.normalizer`` give a batch's part of that count (the
+``LossFn`` protocol of ``shardflow.engine.loss_fn``); the engine sums it over the DP replicas.
 """
 
 from __future__ import annotations
@@ -149,7 +149,12 @@ class ActorLoss:
     entropy_coef: float = 0.0
     loss_agg: str = "token-mean"
 
-    def count(self, batch: SequenceBatch) -> float:
+    @property
+    def entropy_grad(self) -> bool:
+        """Whether the engine must keep the entropy's graph (only for an entropy bonus)."""
+        return self.entropy_coef > 0
+
+    def normalizer(self, batch: SequenceBatch) -> float:
         return normalizer_count(batch.token_fields["loss_mask"], batch.lengths, self.loss_agg)
 
     def __call__(self, outputs: dict[str, torch.Tensor], micro_batch: SequenceBatch,
@@ -181,9 +186,7 @@ class ActorLoss:
             if "entropy" not in outputs:
                 raise ValueError("entropy_coef > 0 needs the engine to return 'entropy'")
             total = total - self.entropy_coef * outputs["entropy"]
-        loss = agg(total)
-        stats["loss"] = loss.detach()
-        return loss, stats
+        return agg(total), stats  # the engine reports the loss itself as "loss"
 
 
 @dataclass(kw_only=True)
@@ -196,8 +199,9 @@ class CriticLoss:
 
     value_clip: float = 0.0
     loss_agg: str = "token-mean"
+    entropy_grad = False  # a value model has no entropy
 
-    def count(self, batch: SequenceBatch) -> float:
+    def normalizer(self, batch: SequenceBatch) -> float:
         return normalizer_count(batch.token_fields["loss_mask"], batch.lengths, self.loss_agg)
 
     def __call__(self, outputs: dict[str, torch.Tensor], micro_batch: SequenceBatch,
