@@ -8,6 +8,7 @@ import torch
 from shardflow.batch import SequenceBatch
 from shardflow.config import AlgorithmConfig
 from shardflow.rl import advantages as adv_module
+from shardflow.parallel.layout import Layout
 from shardflow.rl.advantages import (KLController, compute_advantages, gae, group_advantages, sequence_kl,
                                      whiten)
 
@@ -105,7 +106,7 @@ def test_compute_advantages_per_algorithm():
 
 
 def test_a_new_estimator_is_one_registered_function(monkeypatch):
-    def leave_one_out(batch, algo, kl_coef):
+    def leave_one_out(batch, algo, kl_coef, group):
         return batch.update({"advantages": torch.ones(batch.num_tokens)})
 
     monkeypatch.setitem(adv_module.ESTIMATORS, "rloo", leave_one_out)
@@ -147,3 +148,32 @@ def test_config_refuses_kl_settings_that_cannot_work():
         AlgorithmConfig(adaptive_kl_target=6.0).check("algorithm")
     with pytest.raises(ValueError, match="algorithm.adaptive_kl_horizon must be positive"):
         AlgorithmConfig(kl_coef=0.1, adaptive_kl_target=6.0, adaptive_kl_horizon=0).check("algorithm")
+
+
+def _sharded_advantages_job(world, batch, algo, shares):
+    """Each of two replicas computes advantages of its share, exchanging over their group."""
+    world.create_groups([Layout.contiguous(dp=2)])
+    if world.rank >= 2:
+        return None
+    group = world.groups.get((0, 1))
+    return compute_advantages(batch.select(shares[world.rank]), algo, group=group).token_fields["advantages"]
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_sharded_advantages_equal_whole_batch(pool, name):
+    """GRPO groups split across replicas and PPO whitening over replicas give the whole-batch result."""
+    torch.manual_seed(0)
+    lengths = [5, 3, 6, 4, 7, 2]
+    tokens = sum(lengths)
+    mask = torch.cat([torch.tensor([0.0] + [1.0] * (n - 1)) for n in lengths])
+    batch = SequenceBatch(torch.arange(6), torch.tensor(lengths),
+                          {"loss_mask": mask, "values": torch.randn(tokens), "logprobs": torch.randn(tokens)},
+                          {"rewards": torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.5]),
+                           "prompt_index": torch.tensor([0, 0, 0, 1, 1, 1])})
+    algo = AlgorithmConfig(name=name)
+    whole = compute_advantages(batch, algo).token_fields["advantages"]
+    shares = [[0, 3, 4], [1, 2, 5]]  # both groups split over the two replicas
+    parts = pool.run(_sharded_advantages_job, batch, algo, shares)
+    for share, part in zip(shares, parts):
+        rows = torch.cat([torch.arange(int(batch.offsets[i]), int(batch.offsets[i + 1])) for i in share])
+        torch.testing.assert_close(part, whole[rows], atol=1e-6, rtol=1e-6)

@@ -1,10 +1,12 @@
 """Advantages (and returns) from an iteration's rollouts, one estimator per algorithm.
 
-Every estimator takes the *whole* iteration batch (all DP shares: GRPO needs complete groups,
-whitening needs the batch statistics) and returns it with token fields ``advantages`` (and
-``returns`` where a critic is trained), zero outside ``loss_mask``. Adding an algorithm (RLOO,
-ReMax) means writing one function ``(batch, algo, kl_coef) -> batch`` and registering it in
-``ESTIMATORS``.
+Every estimator takes one data-parallel replica's share of the iteration batch and the process
+group of the replicas (None when the share is the whole batch) and returns the share with token
+fields ``advantages`` (and ``returns`` where a critic is trained), zero outside ``loss_mask``.
+What needs the whole batch is exchanged over that group, and it is small: GRPO gathers one
+(prompt, reward) pair per sequence to see complete groups; whitening all-reduces three sums.
+Adding an algorithm (RLOO, ReMax) means writing one function ``(batch, algo, kl_coef, group) ->
+batch`` and registering it in ``ESTIMATORS``.
 
 Rewards live in the seq field ``rewards`` (one scalar per sequence); per-token fields follow the
 shared alignment: ``values[t]`` is the value of the state before response token ``t``. The batch
@@ -13,10 +15,13 @@ is expected on the CPU (the work is a few vector operations per response positio
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from shardflow.batch import SequenceBatch
 from shardflow.config import AlgorithmConfig
@@ -101,12 +106,13 @@ def gae(batch: SequenceBatch, *, gamma: float, lam: float, kl_coef: float = 0.0,
     return batch.update({"advantages": index.to_packed(advantages, n), "returns": index.to_packed(returns, n)})
 
 
-def group_advantages(batch: SequenceBatch, *, std_normalize: bool = True, eps: float = 1e-6) -> SequenceBatch:
-    """GRPO: each sequence's reward centred on the mean of its group (and divided by the group's
-    std + eps), spread over its response tokens. Groups are the sequences sharing the seq field
-    ``prompt_index``. A group whose rewards are all equal (or a group of one) gets exactly zero."""
-    rewards = batch.seq_fields["rewards"].double()  # [N]; float64 so the group sums are exact enough
-    _, group = torch.unique(batch.seq_fields["prompt_index"], return_inverse=True)  # [N] group of each
+def group_normalize(rewards: torch.Tensor, prompt_index: torch.Tensor, *, std_normalize: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: each reward [N] centred on the mean of its group (sequences sharing ``prompt_index``),
+    divided by the group's std + eps if asked. A group whose rewards are all equal (or a group of
+    one) gets exactly zero."""
+    rewards = rewards.double()  # float64 so the group sums are exact enough
+    _, group = torch.unique(prompt_index, return_inverse=True)  # [N] group of each
     num_groups = int(group.max()) + 1 if len(group) else 0
     size = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, torch.ones_like(rewards))
     mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, rewards) / size
@@ -118,51 +124,74 @@ def group_advantages(batch: SequenceBatch, *, std_normalize: bool = True, eps: f
     low = torch.full((num_groups,), float("inf"), dtype=torch.float64).scatter_reduce(0, group, rewards, "amin")
     high = torch.full((num_groups,), -float("inf"), dtype=torch.float64).scatter_reduce(0, group, rewards, "amax")
     flat = (low == high)[group]  # rounding in the mean must not turn equal rewards into +-1
-    advantages = torch.where(flat, 0.0, centred).float()  # [N]
-    seq = torch.repeat_interleave(torch.arange(len(batch)), batch.lengths)
-    per_token = advantages[seq] * (batch.token_fields["loss_mask"] > 0).float()  # [tokens]
-    return batch.update({"advantages": per_token})
+    return torch.where(flat, 0.0, centred).float()  # [N]
 
 
-def whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8) -> torch.Tensor:
-    """(values - mean) / std over the masked entries (std with the unbiased estimator); zero
-    outside the mask."""
+def group_advantages(batch: SequenceBatch, *, std_normalize: bool = True, eps: float = 1e-6,
+                     group: ProcessGroup | None = None) -> SequenceBatch:
+    """GRPO advantages spread over each sequence's response tokens. With ``group``, the other
+    replicas' (prompt, reward) pairs are gathered first, so groups split across replicas are whole."""
+    rewards, prompts = batch.seq_fields["rewards"].float().cpu(), batch.seq_fields["prompt_index"].cpu()
+    mine = slice(None)
+    if group is not None:
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, (rewards, prompts), group=group)
+        offset = sum(len(p[0]) for p in parts[: dist.get_rank(group)])
+        mine = slice(offset, offset + len(rewards))
+        rewards, prompts = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    advantages = group_normalize(rewards, prompts, std_normalize=std_normalize, eps=eps)[mine]  # [N]
+    seq = torch.repeat_interleave(torch.arange(len(batch)), batch.lengths.cpu())
+    mask = (batch.token_fields["loss_mask"].cpu() > 0).float()
+    return batch.update({"advantages": advantages[seq] * mask})  # [tokens]
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8,
+           group: ProcessGroup | None = None) -> torch.Tensor:
+    """(values - mean) / std over the masked entries of every replica in ``group`` (std with the
+    unbiased estimator); zero outside the mask."""
     mask = (mask > 0).float()
-    n = mask.sum()
+    sums = torch.stack([mask.sum(), (values * mask).sum(), (values.square() * mask).sum()]).double()
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    n, total, total_sq = sums.tolist()
     if n < 2:
         raise ValueError(f"cannot whiten over {int(n)} response token(s); need at least 2")
-    mean = (values * mask).sum() / n
-    var = ((values - mean).square() * mask).sum() / (n - 1)
-    return (values - mean) * torch.rsqrt(var + eps) * mask
+    mean = total / n
+    var = max(total_sq - n * mean * mean, 0.0) / (n - 1)
+    return (values - mean) * (1.0 / math.sqrt(var + eps)) * mask
 
 
 # ----- one entry point per algorithm ----------------------------------------------------------
 
 
-def _ppo(batch: SequenceBatch, algo: AlgorithmConfig, kl_coef: float) -> SequenceBatch:
+def _ppo(batch: SequenceBatch, algo: AlgorithmConfig, kl_coef: float, group: ProcessGroup | None) -> SequenceBatch:
     out = gae(batch, gamma=algo.gamma, lam=algo.lam, kl_coef=kl_coef if algo.kl_in_reward else 0.0,
               kl_estimator=algo.kl_estimator)
     if algo.whiten_advantages:
-        out = out.update({"advantages": whiten(out.token_fields["advantages"], out.token_fields["loss_mask"])})
+        advantages = whiten(out.token_fields["advantages"], out.token_fields["loss_mask"], group=group)
+        out = out.update({"advantages": advantages})
     return out
 
 
-def _grpo(batch: SequenceBatch, algo: AlgorithmConfig, kl_coef: float) -> SequenceBatch:
-    return group_advantages(batch, std_normalize=algo.group_std_normalize)
+def _grpo(batch: SequenceBatch, algo: AlgorithmConfig, kl_coef: float, group: ProcessGroup | None) -> SequenceBatch:
+    return group_advantages(batch, std_normalize=algo.group_std_normalize, group=group)
 
 
-ESTIMATORS: dict[str, Callable[[SequenceBatch, AlgorithmConfig, float], SequenceBatch]] = {
+Estimator = Callable[[SequenceBatch, AlgorithmConfig, float, "ProcessGroup | None"], SequenceBatch]
+ESTIMATORS: dict[str, Estimator] = {
     "ppo": _ppo,
     "grpo": _grpo,
 }
 
 
-def compute_advantages(batch: SequenceBatch, algo: AlgorithmConfig, *, kl_coef: float = 0.0) -> SequenceBatch:
-    """The batch with ``advantages`` (and, for PPO, ``returns``) for algorithm ``algo.name``;
-    ``kl_coef`` is the iteration's KL coefficient (used here when the KL is in the reward)."""
+def compute_advantages(batch: SequenceBatch, algo: AlgorithmConfig, *, kl_coef: float = 0.0,
+                       group: ProcessGroup | None = None) -> SequenceBatch:
+    """The share with ``advantages`` (and, for PPO, ``returns``) for algorithm ``algo.name``;
+    ``kl_coef`` is the iteration's KL coefficient (used here when the KL is in the reward);
+    ``group``: the data-parallel replicas holding the rest of the batch (None: this is all of it)."""
     if algo.name not in ESTIMATORS:
         raise ValueError(f"no advantage estimator for algorithm {algo.name!r}; known: {', '.join(ESTIMATORS)}")
-    return ESTIMATORS[algo.name](batch, algo, kl_coef)
+    return ESTIMATORS[algo.name](batch, algo, kl_coef, group)
 
 
 # ----- KL coefficient -------------------------------------------------------------------------
