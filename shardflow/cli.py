@@ -8,6 +8,7 @@ import sys
 
 from shardflow.generate_cli import add_parser as add_generate_parser
 from shardflow.runtime.launch import RankFailed
+from shardflow.runtime.train_cli import add_parser as add_train_parser
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--nprocs", type=int, default=4, help="ranks to spawn (4 gives pp=2 x tp=2)")
     demo.set_defaults(run=_demo)
     add_generate_parser(sub)
+    add_train_parser(sub)
     return parser
 
 

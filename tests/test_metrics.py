@@ -8,15 +8,12 @@ import json
 import pytest
 import torch
 
-from shardflow.batch import SequenceBatch
 from shardflow.runtime.metrics import MetricsLogger, flatten, format_line, rollout_metrics
 
 
 def test_rollout_metrics_by_hand():
     # responses of 1, 3 and 4 tokens after prompts of 2, 1 and 2; the limit is 4 new tokens
-    masks = [torch.tensor([0.0, 0, 1]), torch.tensor([0.0, 1, 1, 1]), torch.tensor([0.0, 0, 1, 1, 1, 1])]
-    batch = SequenceBatch.from_lists([0, 1, 2], {"loss_mask": masks}, {"rewards": torch.tensor([1.0, 0.0, 0.5])})
-    m = rollout_metrics(batch, max_new_tokens=4)
+    m = rollout_metrics([1, 3, 4], [2, 1, 2], [1.0, 0.0, 0.5], max_new_tokens=4)
     assert m["response_length/mean"] == pytest.approx(8 / 3)
     assert (m["response_length/max"], m["response_length/min"]) == (4.0, 1.0)
     assert m["response_length/clip_ratio"] == pytest.approx(1 / 3)

@@ -23,6 +23,7 @@ DATA_DIR = Path(__file__).parent / "data"
 TASK_FILE = DATA_DIR / "arithmetic.jsonl"
 TOKENIZER_DIR = DATA_DIR / "char_tokenizer"
 CONFIG_FILE = Path(__file__).parent / "arithmetic_grpo.yaml"
+PLAN_FILE = Path(__file__).parent / "arithmetic_plan.yaml"
 MAX_OPERAND = 5
 
 # the starting model: ~165K parameters
@@ -103,6 +104,7 @@ def example_config(out_dir: str | Path) -> dict[str, Any]:
     starting checkpoint made under ``out_dir`` if it is not there yet."""
     raw = yaml.safe_load(CONFIG_FILE.read_text())
     start = make_start_checkpoint(Path(out_dir) / "start")
-    raw["models"]["actor"]["path"] = str(start)
+    raw["models"]["actor"]["path"] = raw["models"]["ref"]["path"] = str(start)
     raw["data"]["path"] = str(TASK_FILE)
+    raw["plan"] = str(PLAN_FILE)
     return raw

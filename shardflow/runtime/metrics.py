@@ -18,7 +18,6 @@ from typing import Any, TextIO
 
 import torch
 
-from shardflow.batch import SequenceBatch
 
 # keys shown first on the console, with a short label; the rest follow in sorted order
 CONSOLE_FIRST = (
@@ -31,24 +30,22 @@ CONSOLE_FIRST = (
 CONSOLE_ALSO = ("policy_loss", "value_loss", "grad_norm", "clip_frac", "entropy", "kl", "lr", "tokens_per_s")
 
 
-def rollout_metrics(batch: SequenceBatch, *, max_new_tokens: int) -> dict[str, float]:
+def rollout_metrics(response_lengths: list[int], prompt_lengths: list[int], rewards: list[float], *,
+                    max_new_tokens: int) -> dict[str, float]:
     """Response length (mean, max, min, fraction cut at ``max_new_tokens``), prompt length and
-    reward statistics of an iteration's rollouts (seq field ``rewards``, token field ``loss_mask``)."""
-    seq = torch.repeat_interleave(torch.arange(len(batch)), batch.lengths)
-    mask = (batch.token_fields["loss_mask"] > 0).float()
-    response = torch.zeros(len(batch)).index_add_(0, seq, mask)  # [N] response tokens
+    reward statistics of an iteration's rollouts, from one entry per sequence."""
+    response = torch.tensor(response_lengths, dtype=torch.float64)
     out = {
         "response_length/mean": float(response.mean()),
         "response_length/max": float(response.max()),
         "response_length/min": float(response.min()),
-        "response_length/clip_ratio": float((response >= max_new_tokens).float().mean()),
-        "prompt_length/mean": float((batch.lengths.float() - response).mean()),
+        "response_length/clip_ratio": float((response >= max_new_tokens).double().mean()),
+        "prompt_length/mean": float(torch.tensor(prompt_lengths, dtype=torch.float64).mean()),
     }
-    if "rewards" in batch.seq_fields:
-        rewards = batch.seq_fields["rewards"].double()
-        out.update({"reward/mean": float(rewards.mean()),
-                    "reward/std": float(rewards.std(unbiased=False)),
-                    "reward/min": float(rewards.min()), "reward/max": float(rewards.max())})
+    if rewards:
+        r = torch.tensor(rewards, dtype=torch.float64)
+        out.update({"reward/mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
+                    "reward/min": float(r.min()), "reward/max": float(r.max())})
     return out
 
 
