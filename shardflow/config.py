@@ -151,6 +151,7 @@ class RunConfig:
     backend: str = _f("auto", "auto | gloo | nccl")
     seed: int = _f(0, "seed for data order, sampling and initialisation")
     save_every: int = _f(0, "checkpoint every N iterations (0 = only at the end)")
+    checkpoints: bool = _f(True, "write checkpoints at all (false: metrics only, as benchmarks do)")
     keep_checkpoints: int = _f(2, "how many recent checkpoints to keep")
     resume: bool = _f(True, "continue from the latest checkpoint in out_dir when one exists")
     tensorboard: bool = _f(True, "write TensorBoard event files")

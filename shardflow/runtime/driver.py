@@ -210,9 +210,10 @@ def train_rank(world: World, prepared: Prepared) -> None:
         if logger is not None:
             flat = logger.log(it, {k: v for k, v in summary.items() if not k.startswith("_")})
             bar.write(format_line(it, flat))
-        if config.run.save_every and it % config.run.save_every == 0 and it != config.run.iterations:
+        if config.run.checkpoints and config.run.save_every and it % config.run.save_every == 0 \
+                and it != config.run.iterations:
             run.save(it)
-    if run.start_iteration < config.run.iterations:
+    if config.run.checkpoints and run.start_iteration < config.run.iterations:
         run.save(config.run.iterations)
     if logger is not None:
         logger.close()
