@@ -52,6 +52,18 @@ class Layout:
         if any(b <= a for a, b in zip(self.ranks, self.ranks[1:])):
             raise ValueError(f"layout ranks must be strictly increasing, got {list(self.ranks)}")
 
+    def __hash__(self) -> int:
+        # Layouts key many caches and may list a thousand ranks: hash them once.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.ranks, self.pp, self.dp, self.tp))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        # string hashes differ between processes: never ship the cached one
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     # ----- construction and printing -------------------------------------------------------
 
     @classmethod
