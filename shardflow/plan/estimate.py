@@ -1,0 +1,177 @@
+"""Estimate a plan: check memory on every device, cost every call, reallocation and data move,
+and simulate the unrolled graph. Plans that do not fit are rejected with the reason.
+
+Memory on a device is what stays there (a trained model's weights, gradients and optimizer state
+in its home layout; a frozen model's weights in its call's layout unless offloaded) plus, while a
+call runs, what that call adds: a copy of the weights when the call's layout is not the model's
+home, activations, and for generation the KV cache (it takes what is left, up to what its requests
+need; a cache with fewer slots than requests makes the rest wait).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shardflow.plan import memory as mem
+from shardflow.plan.execution_plan import CallPlan, ExecutionPlan
+from shardflow.plan.hardware import GB
+from shardflow.plan.problem import Choice, Plan, Problem
+from shardflow.plan.simulator import SimCall, SimResult, simulate
+from shardflow.plan.transfer import data_bytes, data_seconds, realloc_seconds
+from shardflow.rl.graph import Call, Kind
+
+
+@dataclass(frozen=True)
+class Estimate:
+    feasible: bool
+    iteration_s: float  # inf when infeasible
+    reason: str = ""  # why it is infeasible
+    failed_call: str = ""  # the call that did not fit
+    call_s: dict[str, float] = field(default_factory=dict)
+    realloc_s: dict[str, float] = field(default_factory=dict)
+    data_s: dict[str, float] = field(default_factory=dict)
+    kv_slots: dict[str, int] = field(default_factory=dict)
+    peak_bytes: dict[str, float] = field(default_factory=dict)  # per call: the fullest device while it runs
+    sim: SimResult | None = None
+
+
+def _index(layout):
+    r = layout.ranks
+    return slice(r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else np.asarray(r)
+
+
+def _where(layout) -> str:
+    """A layout's shape and rank span, cheap to format for a thousand ranks."""
+    r = layout.ranks
+    return f"{layout.shape}@{r[0]}-{r[-1]}" if len(r) > 1 else f"{layout.shape}@{r[0]}"
+
+
+def _fail(call: str, reason: str) -> Estimate:
+    return Estimate(False, math.inf, f"{call}{reason}", call)
+
+
+def estimate(problem: Problem, plan: Plan, *, events: bool = False) -> Estimate:
+    if len(plan) != len(problem.calls):
+        raise ValueError(f"a plan needs {len(problem.calls)} choices, got {len(plan)}")
+    p, cluster, costs = problem.precision, problem.cluster, problem.costs
+    n = cluster.num_devices
+    for call, choice in zip(problem.calls, plan):
+        if choice.layout.ranks[-1] >= n:
+            return _fail(call.name, f" uses device {choice.layout.ranks[-1]} but only {n} exist")
+    home = {m: plan[problem.index[problem.home_call(m).name]] for m in problem.graph.models()}
+
+    persistent = np.zeros(n)
+    for m, h in home.items():
+        cfg = problem.models[m]
+        if problem.trained(m):
+            persistent[_index(h.layout)] += mem.trained_state_bytes(cfg, h.layout, p)
+        elif not problem.offload.get(m, False):
+            persistent[_index(h.layout)] += mem.weight_bytes(cfg, h.layout, p)
+
+    usable = cluster.usable_memory
+    call_s: dict[str, float] = {}
+    realloc_s: dict[str, float] = {}
+    data_s: dict[str, float] = {}
+    kv_slots: dict[str, int] = {}
+    peak: dict[str, float] = {}
+    for call, choice in zip(problem.calls, plan):
+        cfg, layout = problem.models[call.model], choice.layout
+        src = home[call.model].layout
+        offloaded = problem.offload.get(call.model, False) and not problem.trained(call.model)
+        base = float(persistent[_index(layout)].max())
+        extra = 0.0
+        if offloaded:  # brought in from CPU memory for the call
+            extra += mem.weight_bytes(cfg, layout, p)
+            realloc_s[call.name] = mem.weight_bytes(cfg, layout, p) / cluster.host_bandwidth
+        elif layout != src:  # a copy reallocated from home, dropped after the call
+            extra += mem.weight_bytes(cfg, layout, p)
+            realloc_s[call.name] = realloc_seconds(cfg, src, layout, cluster, p.param_bytes)
+        if call.kind is Kind.GENERATE:
+            extra += mem.prefill_activation_bytes(cfg, layout.tp, _prefill_tokens(problem, layout), p)
+            per_slot = mem.kv_bytes_per_slot(cfg, layout.tp, problem.workload.max_tokens, p)
+            budget = usable - base - extra
+            if problem.kv_cache_bytes is not None:
+                budget = min(budget, problem.kv_cache_bytes)
+            wanted = problem.replica_sequences(call, layout)
+            slots = min(int(budget // per_slot), wanted) if budget > 0 else 0
+            if 1 <= slots < wanted:  # round down to 1/32 steps: fewer distinct cases to cost
+                step = max(1, wanted // 32)
+                slots = max(1, slots // step * step)
+            if slots < 1:
+                return _fail(call.name, f" in {_where(layout)}: no room for a KV-cache slot "
+                             f"({per_slot / GB:.2f} GB) next to {(base + extra) / GB:.1f} GB of "
+                             f"{usable / GB:.1f} GB usable")
+            kv_slots[call.name] = slots
+            extra += slots * per_slot
+            call_s[call.name] = costs.generate(cfg, layout, slots)
+        elif call.kind is Kind.INFERENCE:
+            extra += mem.inference_activation_bytes(cfg, layout, problem.tokens_per_micro_batch(call, layout, choice.micro_batches), p)
+            call_s[call.name] = costs.inference(cfg, layout, choice.micro_batches)
+        else:
+            ckpt = problem.checkpointing.get(call.model, False)
+            extra += mem.train_activation_bytes(cfg, layout, problem.tokens_per_micro_batch(call, layout, choice.micro_batches),
+                                                choice.micro_batches, ckpt, p)
+            call_s[call.name] = costs.train(cfg, layout, choice.micro_batches, ckpt)
+        if base + extra > usable:
+            return _fail(call.name, f" in {_where(layout)}: needs {(base + extra) / GB:.1f} GB on a device "
+                         f"({base / GB:.1f} GB resident + {extra / GB:.1f} GB for the call) but "
+                         f"{usable / GB:.1f} GB are usable")
+        peak[call.name] = base + extra
+        data_s[call.name] = _data_seconds(problem, plan, call, layout)
+
+    sim_calls = []
+    for call in problem.graph.order:
+        deps = problem.deps[call.name]
+        if call.kind is Kind.FUNCTION:
+            sim_calls.append(SimCall(name=call.name, devices=(), seconds=0.0, deps=deps))
+            continue
+        choice = plan[problem.index[call.name]]
+        offloaded = problem.offload.get(call.model, False) and not problem.trained(call.model)
+        sim_calls.append(SimCall(
+            name=call.name, devices=choice.layout.ranks, seconds=call_s[call.name], deps=deps, model=call.model,
+            trains=call.kind is Kind.TRAIN, data_seconds=data_s[call.name],
+            realloc_seconds=realloc_s.get(call.name, 0.0),
+            realloc_devices=() if offloaded else home[call.model].layout.ranks,
+        ))
+    sim = simulate(sim_calls, n, problem.iterations, events=events)
+    return Estimate(True, sim.iteration_s, "", "", call_s, realloc_s, data_s, kv_slots, peak, sim)
+
+
+def _prefill_tokens(problem: Problem, layout) -> float:
+    w = problem.workload
+    return math.ceil(w.sequences / layout.dp) * w.prompt_tokens / w.samples_per_prompt
+
+
+def _data_seconds(problem: Problem, plan: Plan, call: Call, layout) -> float:
+    w = problem.workload
+    return sum(data_seconds(data_bytes(key, w.sequences, w.mean_tokens), plan[problem.index[holder]].layout,
+                            layout, problem.cluster)
+               for key, holder in problem.data_inputs[call.name])
+
+
+# ----- conversion to and from plan files ------------------------------------------------------
+
+
+def to_execution_plan(problem: Problem, plan: Plan, est: Estimate | None = None,
+                      notes: dict | None = None) -> ExecutionPlan:
+    calls = {}
+    for call, choice in zip(problem.calls, plan):
+        seconds = est.call_s.get(call.name) if est is not None and est.feasible else None
+        calls[call.name] = CallPlan(layout=choice.layout, micro_batches=choice.micro_batches, estimated_s=seconds)
+    return ExecutionPlan(calls, notes or {})
+
+
+def from_execution_plan(problem: Problem, plan: ExecutionPlan) -> Plan:
+    """The search's view of a plan file (micro-batches the runtime would pick where unset)."""
+    plan.validate(problem.graph, problem.models, problem.cluster.num_devices)
+    out = []
+    for call in problem.calls:
+        cp = plan[call.name]
+        k = cp.micro_batches if call.kind is not Kind.GENERATE else None
+        if k is None and call.kind is not Kind.GENERATE:
+            k = problem.default_micro_batches(call, cp.layout)
+        out.append(Choice(cp.layout, k))
+    return tuple(out)

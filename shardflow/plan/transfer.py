@@ -1,0 +1,154 @@
+"""Cost of moving parameters between layouts (reallocation) and data between calls.
+
+Reallocation from layout A to layout B: each destination rank must receive what it needs in B
+minus what it already holds in A, both read off the sharding spec (``shard_for``). Pieces that some
+rank of A on the same node holds come over NVLink; the rest comes over the inter-node network.
+Destination ranks receive in parallel, so the time is the slowest destination's. (Senders are
+assumed spread over A's data-parallel replicas, as the reallocation engine does.)
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from shardflow.models.config import ModelConfig
+from shardflow.parallel.layout import Layout
+from shardflow.parallel.sharding import shard_for
+from shardflow.plan.hardware import Cluster
+
+# piece: (first layer, end layer, start, stop, elements per index). Decoder-layer tensors are
+# keyed by their name inside a layer and cover the stage's layers; other tensors cover (0, 1).
+Piece = tuple[int, int, int, int, int]
+
+
+@lru_cache(maxsize=8192)
+def holding(cfg: ModelConfig, pp: int, tp: int, stage: int, tp_index: int) -> dict[str, Piece]:
+    """What a rank at (stage, tp_index) of any (pp, *, tp) layout holds, keyed by checkpoint tensor
+    (a tied LM head is keyed by the embedding it copies, so either can serve it)."""
+    layout = Layout.contiguous(pp=pp, tp=tp)
+    shard = shard_for(cfg, layout, layout.rank_at(stage, 0, tp_index))
+    lo, hi = (shard.layers[0], shard.layers[-1] + 1) if shard.layers else (0, 0)
+    out: dict[str, Piece] = {}
+    for name, t in shard.tensors.items():
+        if name.startswith("model.layers."):
+            key, span = "layer." + name.split(".", 3)[3], (lo, hi)
+        else:
+            key, span = t.source, (0, 1)
+        dim = 0 if t.dim is None else t.dim
+        start, stop = (0, t.full_shape[0]) if t.dim is None else (t.start, t.stop)
+        elems = 1
+        for d, size in enumerate(t.full_shape):
+            if d != dim:
+                elems *= size
+        out[key] = (*span, start, stop, elems)
+    return out
+
+
+def _uncovered(start: int, stop: int, intervals: list[tuple[int, int]]) -> int:
+    """Length of [start, stop) not covered by the intervals."""
+    covered, pos = 0, start
+    for a, b in sorted(intervals):
+        a, b = max(a, pos), min(b, stop)
+        if b > a:
+            covered += b - a
+            pos = b
+    return (stop - start) - covered
+
+
+def missing_elements(need: dict[str, Piece], held: list[dict[str, Piece]]) -> int:
+    """Elements of ``need`` that none of the ``held`` pieces cover."""
+    total = 0
+    for key, (lo, hi, start, stop, elems) in need.items():
+        pieces = [p for h in held if (p := h.get(key)) is not None and p[0] < hi and p[1] > lo]
+        if len(pieces) <= 1:  # the common case (what a rank holds itself): one overlap
+            layers = min(hi, pieces[0][1]) - max(lo, pieces[0][0]) if pieces else 0
+            cover = max(0, min(stop, pieces[0][3]) - max(start, pieces[0][2])) if pieces else 0
+            total += ((hi - lo) * (stop - start) - layers * cover) * elems
+            continue
+        # split the needed layers where a holder's stage begins or ends
+        cuts = sorted({lo, hi, *(c for p in pieces for c in p[:2] if lo < c < hi)})
+        for a, b in zip(cuts, cuts[1:]):
+            over = [(p[2], p[3]) for p in pieces if p[0] <= a and p[1] >= b]
+            total += (b - a) * _uncovered(start, stop, over) * elems
+    return total
+
+
+def _coord_fn(layout: Layout):
+    """rank -> (stage, tp index); arithmetic for a contiguous layout (the usual case)."""
+    first, block = layout.ranks[0], layout.dp * layout.tp
+    if layout.ranks[-1] - first + 1 == layout.size:
+        return lambda r: ((r - first) // block, (r - first) % layout.tp)
+    return lambda r: (layout.coord(r).pp, layout.coord(r).tp)
+
+
+@lru_cache(maxsize=65536)
+def _missing(cfg: ModelConfig, dst_shape: tuple[int, int], dst_coord: tuple[int, int], src_shape: tuple[int, int],
+             src_coords: frozenset) -> int:
+    """Elements a rank at ``dst_coord`` of a (pp, tp) = ``dst_shape`` layout needs that no rank at
+    ``src_coords`` of a ``src_shape`` layout holds."""
+    need = holding(cfg, *dst_shape, *dst_coord)
+    return missing_elements(need, [holding(cfg, *src_shape, *c) for c in sorted(src_coords)])
+
+
+def realloc_seconds(cfg: ModelConfig, src: Layout, dst: Layout, cluster: Cluster, dtype_bytes: int = 2) -> float:
+    """Seconds to bring a model from layout ``src`` into layout ``dst``."""
+    if src == dst:
+        return 0.0
+    return _realloc_seconds(cfg, src, dst, cluster, dtype_bytes)
+
+
+@lru_cache(maxsize=65536)
+def _realloc_seconds(cfg: ModelConfig, src: Layout, dst: Layout, cluster: Cluster, dtype_bytes: int) -> float:
+    src_coord, dst_coord = _coord_fn(src), _coord_fn(dst)
+    src_shape, dst_shape = (src.pp, src.tp), (dst.pp, dst.tp)
+    # Source coordinates present on each node (the candidates for an NVLink transfer).
+    on_node: dict[int, set[tuple[int, int]]] = {}
+    for r in src.ranks:
+        on_node.setdefault(cluster.node_of(r), set()).add(src_coord(r))
+    # Destination ranks that are alike (same coordinate, same own source coordinate, same node
+    # contents) need the same transfers: cost each kind once.
+    src_set = set(src.ranks)
+    kinds = {(dst_coord(r), src_coord(r) if r in src_set else None, cluster.node_of(r)) for r in dst.ranks}
+    worst = 0.0
+    for coord, own, node in kinds:
+        missing = _missing(cfg, dst_shape, coord, src_shape, frozenset((own,)) if own else frozenset())
+        remote = _missing(cfg, dst_shape, coord, src_shape, frozenset(on_node.get(node, ())))
+        worst = max(worst, (missing - remote) * dtype_bytes / cluster.p2p_bandwidth
+                    + remote * dtype_bytes / cluster.inter_node_bandwidth)
+    crosses = not cluster.one_node(sorted(src_set | set(dst.ranks)))
+    return worst + (cluster.inter_node_latency if crosses else cluster.intra_node_latency)
+
+
+def received_bytes(cfg: ModelConfig, src: Layout, dst: Layout, rank: int, dtype_bytes: int = 2) -> int:
+    """Bytes rank ``rank`` of ``dst`` must receive: what it needs minus what it holds in ``src``."""
+    own = frozenset((_coord_fn(src)(rank),)) if rank in src else frozenset()
+    return _missing(cfg, (dst.pp, dst.tp), _coord_fn(dst)(rank), (src.pp, src.tp), own) * dtype_bytes
+
+
+# ----- data between calls -------------------------------------------------------------------
+
+# bytes per token and per sequence of each batch key (see shardflow.rl.graphs): responses carry
+# int64 ids, a float loss mask and the generator's float log-probs; rewards one float per sequence.
+KEY_BYTES: dict[str, tuple[int, int]] = {
+    "responses": (8 + 4 + 4, 16),
+    "rewards": (0, 4),
+    "ref_logprobs": (4, 0),
+    "values": (4, 0),
+}
+DEFAULT_KEY_BYTES = (4, 0)
+
+
+def data_bytes(key: str, sequences: int, mean_tokens: float) -> float:
+    per_token, per_seq = KEY_BYTES.get(key, DEFAULT_KEY_BYTES)
+    return sequences * (per_token * mean_tokens + per_seq)
+
+
+def data_seconds(nbytes: float, src: Layout, dst: Layout, cluster: Cluster) -> float:
+    """Moving a key's data from the producer's DP replicas (each holds its share) to the consumer's
+    (each receives its share); nothing moves when both calls share a layout."""
+    if src == dst or nbytes == 0:
+        return 0.0
+    share = nbytes / min(src.dp, dst.dp)
+    if cluster.one_node(sorted(set(src.ranks) | set(dst.ranks))):
+        return cluster.intra_node_latency + share / cluster.p2p_bandwidth
+    return cluster.inter_node_latency + share / cluster.inter_node_bandwidth
