@@ -37,7 +37,11 @@ class Layout:
     tp: int = 1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        # A range (as from ``contiguous``) is increasing by construction: skip the per-rank checks,
+        # which cost milliseconds for the thousand-rank layouts the planner builds by the thousand.
+        given = self.ranks
+        simple = isinstance(given, range) and given.step == 1 and given.start >= 0
+        object.__setattr__(self, "ranks", tuple(given) if simple else tuple(int(r) for r in given))
         for axis in ("pp", "dp", "tp"):
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
@@ -47,6 +51,8 @@ class Layout:
                 f"layout needs pp*dp*tp = {self.pp}*{self.dp}*{self.tp} = "
                 f"{self.pp * self.dp * self.tp} ranks, got {len(self.ranks)}: {list(self.ranks)}"
             )
+        if simple:
+            return
         if any(r < 0 for r in self.ranks):
             raise ValueError(f"layout ranks must be non-negative, got {list(self.ranks)}")
         if any(b <= a for a, b in zip(self.ranks, self.ranks[1:])):
@@ -68,7 +74,7 @@ class Layout:
 
     @classmethod
     def contiguous(cls, start: int = 0, *, pp: int = 1, dp: int = 1, tp: int = 1) -> "Layout":
-        return cls(tuple(range(start, start + pp * dp * tp)), pp=pp, dp=dp, tp=tp)
+        return cls(range(start, start + pp * dp * tp), pp=pp, dp=dp, tp=tp)
 
     @classmethod
     def parse(cls, text: str) -> "Layout":
