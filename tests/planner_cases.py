@@ -18,6 +18,18 @@ def llama(hidden: int = 2048, layers: int = 16, heads: int = 16, kv: int = 8, in
     })
 
 
+def tiny(family: str = "llama", value_head: bool = False, **overrides) -> ModelConfig:
+    """A tiny model shape of a family (vocabulary 128, 4 layers, 4 heads, 2 KV heads)."""
+    arch = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    raw = {"architectures": [arch + ("ForSequenceClassification" if value_head else "ForCausalLM")],
+           "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "num_labels": 1, "tie_word_embeddings": False}
+    if family == "qwen3":
+        raw["head_dim"] = 16
+    raw.update(overrides)
+    return ModelConfig.from_hf_dict(raw)
+
+
 def grpo_graph() -> Graph:
     return Graph("grpo", (
         Call("actor_gen", Kind.GENERATE, "actor", ("prompts",), ("responses",)),

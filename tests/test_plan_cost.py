@@ -6,10 +6,9 @@ import math
 
 import numpy as np
 import pytest
-from planner_cases import llama, small_problem
+from planner_cases import llama, small_problem, tiny
 
 from shardflow.models.config import ModelConfig
-from shardflow.models.tiny import tiny_hf_config
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for
 from shardflow.plan import memory as mem
@@ -42,10 +41,6 @@ class LinearOps(OpCosts):
 
     def optimizer(self, cfg, tp, params):
         return 1e-12 * params
-
-
-def tiny(family="llama", **kw) -> ModelConfig:
-    return ModelConfig.from_hf_dict(tiny_hf_config(family, **kw).to_dict())
 
 
 def test_generation_time_by_hand():
@@ -202,3 +197,29 @@ def test_plans_that_do_not_fit_are_rejected():
     b = estimate(p, roomy)
     assert a.kv_slots["actor_gen"] == 32 and b.kv_slots["actor_gen"] == 8
     assert b.call_s["actor_gen"] > 1.5 * a.call_s["actor_gen"]
+
+
+def test_reallocation_time_by_brute_force():
+    # Two nodes of 4: every destination rank gets what it lacks, from its node's source ranks over
+    # NVLink where one holds it, else over the network; the slowest rank sets the time.
+    cfg = tiny("llama", num_key_value_heads=4)
+    cluster = Cluster(num_nodes=2, gpus_per_node=4)
+    pairs = [("d2p1t2@0-3", "d1p2t4@0-7"), ("d1p2t2@2-5", "d2p2t1@0-3"), ("d4p2t1@0-7", "d1p1t4@4-7"),
+             ("d1p4t1@0-3", "d2p1t2@4-7")]
+    for src_text, dst_text in pairs:
+        src, dst = Layout.parse(src_text), Layout.parse(dst_text)
+        worst = 0.0
+        for rank in dst.ranks:
+            need = _masks(cfg, dst, rank)
+            own = _masks(cfg, src, rank) if rank in src else {}
+            node = [r for r in src.ranks if cluster.node_of(r) == cluster.node_of(rank)]
+            near: dict[str, np.ndarray] = {}
+            for r in node:
+                for name, m in _masks(cfg, src, r).items():
+                    near[name] = near.get(name, np.zeros_like(m)) | m
+            missing = sum(int((m & ~own.get(n, np.zeros_like(m))).sum()) for n, m in need.items())
+            remote = sum(int((m & ~near.get(n, np.zeros_like(m))).sum()) for n, m in need.items())
+            worst = max(worst, 2 * (missing - remote) / cluster.p2p_bandwidth + 2 * remote / cluster.inter_node_bandwidth)
+        spans = cluster.node_of(min(src.ranks[0], dst.ranks[0])) != cluster.node_of(max(src.ranks[-1], dst.ranks[-1]))
+        latency = cluster.inter_node_latency if spans else cluster.intra_node_latency
+        assert realloc_seconds(cfg, src, dst, cluster) == pytest.approx(worst + latency), (src_text, dst_text)

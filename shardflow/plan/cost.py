@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from shardflow.models.config import ModelConfig
 from shardflow.parallel.layout import Layout
+from shardflow.plan.hardware import Cluster
 from shardflow.plan.memory import Precision, rank_params, stage_layer_count
 from shardflow.plan.profile import OpCosts
 from shardflow.plan.workload import Workload
@@ -62,7 +63,7 @@ class CostModel:
         self._cache: dict[tuple, float] = {}
 
     @property
-    def cluster(self):
+    def cluster(self) -> Cluster:
         return self.ops.cluster
 
     # ----- shared pieces ---------------------------------------------------------------------
@@ -144,12 +145,6 @@ class CostModel:
         # aligned blocks, so groups of the same shape cross nodes alike).
         return (kind, cfg, layout.pp, layout.dp, layout.tp, self.cluster.one_node(layout.ranks), *rest)
 
-    def _pipeline(self, cfg: ModelConfig, layout: Layout, micro_batches: int, tokens: float,
-                  stage_fn) -> float:
-        """``(k + pp - 1)`` slots of the slowest stage, each running one micro-batch."""
-        mb = tokens / micro_batches
-        return (micro_batches + layout.pp - 1) * stage_fn(mb)
-
     def inference(self, cfg: ModelConfig, layout: Layout, micro_batches: int) -> float:
         """Forward over the iteration's sequences (log-probabilities or values)."""
         key = self._key("inf", cfg, layout, micro_batches)
@@ -164,7 +159,8 @@ class CostModel:
                 return layers * per_layer + head + self._stage_send(cfg, layout, mb)
 
             tokens = self.replica_sequences(layout) * w.mean_tokens
-            self._cache[key] = self._pipeline(cfg, layout, micro_batches, tokens, stage)
+            # pipeline fill and drain: k + pp - 1 slots of the slowest stage
+            self._cache[key] = (micro_batches + layout.pp - 1) * stage(tokens / micro_batches)
         return self._cache[key]
 
     def train(self, cfg: ModelConfig, layout: Layout, micro_batches: int, checkpointing: bool = False) -> float:
@@ -185,7 +181,7 @@ class CostModel:
                 return layers * per_layer + head + 2 * self._stage_send(cfg, layout, mb)
 
             tokens = self.replica_sequences(layout, w.train_steps) * w.mean_tokens
-            pipeline = self._pipeline(cfg, layout, micro_batches, tokens, stage)
+            pipeline = (micro_batches + layout.pp - 1) * stage(tokens / micro_batches)  # 1F1B
             params = rank_params(cfg, layout.pp, layout.tp)
             grads = self.ops.all_reduce(params * self.precision.grad_bytes, layout.dp_group(layout.ranks[0]))
             optimizer = self.ops.optimizer(cfg, layout.tp, params)

@@ -58,13 +58,25 @@ class SimResult:
         return self.iteration_ends[-1]
 
 
+def _contiguous(devices: tuple[int, ...]) -> bool:
+    return devices[-1] - devices[0] + 1 == len(devices)
+
+
 def _index(devices: tuple[int, ...]):
     """A numpy index for the ranks: a slice when they are contiguous (the usual case)."""
     if not devices:
         return None
-    if devices[-1] - devices[0] + 1 == len(devices):
+    if _contiguous(devices):
         return slice(devices[0], devices[-1] + 1)
     return np.asarray(devices)
+
+
+def _union_index(a: tuple[int, ...], b: tuple[int, ...]):
+    if not a or not b:
+        return _index(a or b)
+    if _contiguous(a) and _contiguous(b) and a[0] <= b[-1] + 1 and b[0] <= a[-1] + 1:
+        return slice(min(a[0], b[0]), max(a[-1], b[-1]) + 1)  # overlapping or touching blocks
+    return np.union1d(a, b)
 
 
 def simulate(calls: Sequence[SimCall], num_devices: int, iterations: int = 3, *, events: bool = False) -> SimResult:
@@ -82,7 +94,7 @@ def simulate(calls: Sequence[SimCall], num_devices: int, iterations: int = 3, *,
         if c.devices and (min(c.devices) < 0 or max(c.devices) >= num_devices):
             raise ValueError(f"call {c.name!r} uses devices outside 0..{num_devices - 1}")
     idx = {c.name: _index(c.devices) for c in calls}
-    realloc_idx = {c.name: _index(tuple(sorted(set(c.realloc_devices) | set(c.devices)))) for c in calls}
+    realloc_idx = {c.name: _union_index(c.realloc_devices, c.devices) for c in calls}
     train_of = {c.model: c.name for c in calls if c.trains}
 
     free = np.zeros(num_devices)

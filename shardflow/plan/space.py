@@ -43,6 +43,8 @@ def _divisors(n: int) -> list[int]:
 @lru_cache(maxsize=4096)
 def splits(cfg, pp: int, tp: int) -> bool:
     """Whether the model can be split pp x tp (the ranks do not matter)."""
+    if pp > cfg.num_layers:
+        return False
     try:
         check_layout(cfg, Layout.contiguous(pp=pp, tp=tp))
     except ValueError:
@@ -111,6 +113,13 @@ class Space:
             self._shapes[key] = tuple(found)
         return self._shapes[key]
 
+    def usable_sizes(self, call: Call) -> tuple[int, ...]:
+        """Device-set sizes on which the call has a layout."""
+        key = (call.name, "sizes")
+        if key not in self._shapes:
+            self._shapes[key] = tuple(s for s in self.sizes if self.shapes(call, s))
+        return self._shapes[key]
+
     def layout(self, start: int, pp: int, dp: int, tp: int) -> Layout:
         key = (start, pp, dp, tp)
         if key not in self._layouts:
@@ -142,8 +151,7 @@ class Space:
 
     def random_set(self, call: Call, rng: random.Random) -> DeviceSet:
         """A size uniformly among those the call can use, then a position uniformly."""
-        sizes = [s for s in self.sizes if self.shapes(call, s)]
-        size = rng.choice(sizes)
+        size = rng.choice(self.usable_sizes(call))
         return rng.choice(self.starts[size]), size
 
     def random_on(self, call: Call, start: int, size: int, rng: random.Random,

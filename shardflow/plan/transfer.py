@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
+
 from shardflow.models.config import ModelConfig
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for
@@ -73,12 +75,23 @@ def missing_elements(need: dict[str, Piece], held: list[dict[str, Piece]]) -> in
     return total
 
 
+def _coords(layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Ranks, stage and tp index of every rank of a layout (rank order pp > dp > tp)."""
+    ranks = np.asarray(layout.ranks)
+    i = np.arange(layout.size)
+    return ranks, i // (layout.dp * layout.tp), i % layout.tp
+
+
 def _coord_fn(layout: Layout):
-    """rank -> (stage, tp index); arithmetic for a contiguous layout (the usual case)."""
-    first, block = layout.ranks[0], layout.dp * layout.tp
-    if layout.ranks[-1] - first + 1 == layout.size:
-        return lambda r: ((r - first) // block, (r - first) % layout.tp)
-    return lambda r: (layout.coord(r).pp, layout.coord(r).tp)
+    """rank -> (stage, tp index)."""
+    def coord(r: int) -> tuple[int, int]:
+        c = layout.coord(r)
+        return c.pp, c.tp
+    return coord
+
+
+def _spans_nodes(cluster: Cluster, *layouts: Layout) -> bool:
+    return cluster.node_of(min(lay.ranks[0] for lay in layouts)) != cluster.node_of(max(lay.ranks[-1] for lay in layouts))
 
 
 @lru_cache(maxsize=65536)
@@ -99,23 +112,35 @@ def realloc_seconds(cfg: ModelConfig, src: Layout, dst: Layout, cluster: Cluster
 
 @lru_cache(maxsize=65536)
 def _realloc_seconds(cfg: ModelConfig, src: Layout, dst: Layout, cluster: Cluster, dtype_bytes: int) -> float:
-    src_coord, dst_coord = _coord_fn(src), _coord_fn(dst)
-    src_shape, dst_shape = (src.pp, src.tp), (dst.pp, dst.tp)
-    # Source coordinates present on each node (the candidates for an NVLink transfer).
-    on_node: dict[int, set[tuple[int, int]]] = {}
-    for r in src.ranks:
-        on_node.setdefault(cluster.node_of(r), set()).add(src_coord(r))
-    # Destination ranks that are alike (same coordinate, same own source coordinate, same node
-    # contents) need the same transfers: cost each kind once.
-    src_set = set(src.ranks)
-    kinds = {(dst_coord(r), src_coord(r) if r in src_set else None, cluster.node_of(r)) for r in dst.ranks}
+    g = cluster.gpus_per_node
+    s_ranks, s_stage, s_tp = _coords(src)
+    d_ranks, d_stage, d_tp = _coords(dst)
+    # Source coordinates present on each node: the candidates for an NVLink transfer.
+    near: dict[int, frozenset] = {}
+    for node in np.unique(s_ranks // g):
+        on = s_ranks // g == node
+        near[int(node)] = frozenset(zip(s_stage[on].tolist(), s_tp[on].tolist()))
+    # Each destination rank's own source coordinate, if it holds the model in ``src`` too.
+    own_index = np.searchsorted(s_ranks, d_ranks).clip(max=len(s_ranks) - 1)
+    has_own = s_ranks[own_index] == d_ranks
+    own_stage = np.where(has_own, s_stage[own_index], -1)
+    own_tp = np.where(has_own, s_tp[own_index], -1)
+    # Destination ranks alike (coordinate, own source coordinate, node contents) need the same
+    # transfers: cost each kind once.
+    node_kind = {n: i for i, n in enumerate(sorted(set(near.values()), key=sorted))}
+    node_ids = np.array([node_kind.get(near.get(int(n)), -1) for n in range(d_ranks[0] // g, d_ranks[-1] // g + 1)])
+    near_id = node_ids[d_ranks // g - d_ranks[0] // g]
+    kinds = np.unique(np.stack([d_stage, d_tp, own_stage, own_tp, near_id], axis=1), axis=0)
+    by_id = {i: nodeset for nodeset, i in node_kind.items()}
     worst = 0.0
-    for coord, own, node in kinds:
-        missing = _missing(cfg, dst_shape, coord, src_shape, frozenset((own,)) if own else frozenset())
-        remote = _missing(cfg, dst_shape, coord, src_shape, frozenset(on_node.get(node, ())))
+    for stage, tp_index, o_stage, o_tp, nid in kinds.tolist():
+        coord = (stage, tp_index)
+        own = frozenset(((o_stage, o_tp),)) if o_stage >= 0 else frozenset()
+        missing = _missing(cfg, (dst.pp, dst.tp), coord, (src.pp, src.tp), own)
+        remote = _missing(cfg, (dst.pp, dst.tp), coord, (src.pp, src.tp), by_id.get(nid, frozenset()))
         worst = max(worst, (missing - remote) * dtype_bytes / cluster.p2p_bandwidth
                     + remote * dtype_bytes / cluster.inter_node_bandwidth)
-    crosses = not cluster.one_node(sorted(src_set | set(dst.ranks)))
+    crosses = _spans_nodes(cluster, src, dst)
     return worst + (cluster.inter_node_latency if crosses else cluster.intra_node_latency)
 
 
@@ -149,6 +174,6 @@ def data_seconds(nbytes: float, src: Layout, dst: Layout, cluster: Cluster) -> f
     if src == dst or nbytes == 0:
         return 0.0
     share = nbytes / min(src.dp, dst.dp)
-    if cluster.one_node(sorted(set(src.ranks) | set(dst.ranks))):
+    if not _spans_nodes(cluster, src, dst):
         return cluster.intra_node_latency + share / cluster.p2p_bandwidth
     return cluster.inter_node_latency + share / cluster.inter_node_bandwidth
