@@ -18,6 +18,7 @@ import numpy as np
 from shardflow.plan import memory as mem
 from shardflow.plan.execution_plan import CallPlan, ExecutionPlan
 from shardflow.plan.hardware import GB
+from shardflow.parallel.layout import Layout
 from shardflow.plan.problem import Choice, Plan, Problem
 from shardflow.plan.simulator import SimCall, SimResult, simulate
 from shardflow.plan.transfer import data_bytes, data_seconds, realloc_seconds
@@ -53,74 +54,87 @@ def _fail(call: str, reason: str) -> Estimate:
     return Estimate(False, math.inf, f"{call}{reason}", call)
 
 
+@dataclass(frozen=True)
+class _Placed:
+    """One call in its layout: its time, what it adds to a device's memory, its reallocation."""
+
+    seconds: float
+    extra_bytes: float
+    realloc_s: float | None = None
+    kv_slots: int | None = None
+
+
+def _place(problem: Problem, call: Call, choice: Choice, home: Layout, resident: float) -> _Placed | str:
+    """Cost one call next to ``resident`` bytes on its fullest device, or say why it does not fit."""
+    p, cluster, costs = problem.precision, problem.cluster, problem.costs
+    cfg, layout = problem.models[call.model], choice.layout
+    usable = cluster.usable_memory
+    extra, realloc = 0.0, None
+    if problem.offload.get(call.model, False) and not problem.trained(call.model):
+        extra = mem.weight_bytes(cfg, layout, p)  # brought in from CPU memory for the call
+        realloc = extra / cluster.host_bandwidth
+    elif layout != home:  # a copy reallocated from home, dropped after the call
+        extra = mem.weight_bytes(cfg, layout, p)
+        realloc = realloc_seconds(cfg, home, layout, cluster, p.param_bytes)
+    slots = None
+    if call.kind is Kind.GENERATE:
+        extra += mem.prefill_activation_bytes(cfg, layout.tp, _prefill_tokens(problem, layout), p)
+        per_slot = mem.kv_bytes_per_slot(cfg, layout.tp, problem.workload.max_tokens, p)
+        budget = usable - resident - extra
+        if problem.kv_cache_bytes is not None:
+            budget = min(budget, problem.kv_cache_bytes)
+        wanted = problem.replica_sequences(call, layout)
+        slots = min(int(budget // per_slot), wanted) if budget > 0 else 0
+        if 1 <= slots < wanted:  # round down to 1/32 steps: fewer distinct cases to cost
+            step = max(1, wanted // 32)
+            slots = max(1, slots // step * step)
+        if slots < 1:
+            return (f" in {_where(layout)}: no room for a KV-cache slot ({per_slot / GB:.2f} GB) next to "
+                    f"{(resident + extra) / GB:.1f} GB of {usable / GB:.1f} GB usable")
+        extra += slots * per_slot
+        seconds = costs.generate(cfg, layout, slots)
+    elif call.kind is Kind.INFERENCE:
+        tokens = problem.tokens_per_micro_batch(call, layout, choice.micro_batches)
+        extra += mem.inference_activation_bytes(cfg, layout, tokens, p)
+        seconds = costs.inference(cfg, layout, choice.micro_batches)
+    else:
+        ckpt = problem.checkpointing.get(call.model, False)
+        tokens = problem.tokens_per_micro_batch(call, layout, choice.micro_batches)
+        extra += mem.train_activation_bytes(cfg, layout, tokens, choice.micro_batches, ckpt, p)
+        seconds = costs.train(cfg, layout, choice.micro_batches, ckpt)
+    if resident + extra > usable:
+        return (f" in {_where(layout)}: needs {(resident + extra) / GB:.1f} GB on a device ({resident / GB:.1f} GB "
+                f"resident + {extra / GB:.1f} GB for the call) but {usable / GB:.1f} GB are usable")
+    return _Placed(seconds, extra, realloc, slots)
+
+
 def estimate(problem: Problem, plan: Plan, *, events: bool = False) -> Estimate:
     if len(plan) != len(problem.calls):
         raise ValueError(f"a plan needs {len(problem.calls)} choices, got {len(plan)}")
-    p, cluster, costs = problem.precision, problem.cluster, problem.costs
-    n = cluster.num_devices
+    p, n = problem.precision, problem.cluster.num_devices
     for call, choice in zip(problem.calls, plan):
         if choice.layout.ranks[-1] >= n:
             return _fail(call.name, f" uses device {choice.layout.ranks[-1]} but only {n} exist")
-    home = {m: plan[problem.index[problem.home_call(m).name]] for m in problem.graph.models()}
+    home = {m: plan[problem.index[problem.home_call(m).name]].layout for m in problem.graph.models()}
 
-    persistent = np.zeros(n)
-    for m, h in home.items():
-        cfg = problem.models[m]
+    resident = np.zeros(n)  # bytes that stay on each device between calls
+    for m, layout in home.items():
         if problem.trained(m):
-            persistent[_index(h.layout)] += mem.trained_state_bytes(cfg, h.layout, p)
+            resident[_index(layout)] += mem.trained_state_bytes(problem.models[m], layout, p)
         elif not problem.offload.get(m, False):
-            persistent[_index(h.layout)] += mem.weight_bytes(cfg, h.layout, p)
+            resident[_index(layout)] += mem.weight_bytes(problem.models[m], layout, p)
 
-    usable = cluster.usable_memory
-    call_s: dict[str, float] = {}
-    realloc_s: dict[str, float] = {}
-    data_s: dict[str, float] = {}
-    kv_slots: dict[str, int] = {}
+    placed: dict[str, _Placed] = {}
     peak: dict[str, float] = {}
+    data_s: dict[str, float] = {}
     for call, choice in zip(problem.calls, plan):
-        cfg, layout = problem.models[call.model], choice.layout
-        src = home[call.model].layout
-        offloaded = problem.offload.get(call.model, False) and not problem.trained(call.model)
-        base = float(persistent[_index(layout)].max())
-        extra = 0.0
-        if offloaded:  # brought in from CPU memory for the call
-            extra += mem.weight_bytes(cfg, layout, p)
-            realloc_s[call.name] = mem.weight_bytes(cfg, layout, p) / cluster.host_bandwidth
-        elif layout != src:  # a copy reallocated from home, dropped after the call
-            extra += mem.weight_bytes(cfg, layout, p)
-            realloc_s[call.name] = realloc_seconds(cfg, src, layout, cluster, p.param_bytes)
-        if call.kind is Kind.GENERATE:
-            extra += mem.prefill_activation_bytes(cfg, layout.tp, _prefill_tokens(problem, layout), p)
-            per_slot = mem.kv_bytes_per_slot(cfg, layout.tp, problem.workload.max_tokens, p)
-            budget = usable - base - extra
-            if problem.kv_cache_bytes is not None:
-                budget = min(budget, problem.kv_cache_bytes)
-            wanted = problem.replica_sequences(call, layout)
-            slots = min(int(budget // per_slot), wanted) if budget > 0 else 0
-            if 1 <= slots < wanted:  # round down to 1/32 steps: fewer distinct cases to cost
-                step = max(1, wanted // 32)
-                slots = max(1, slots // step * step)
-            if slots < 1:
-                return _fail(call.name, f" in {_where(layout)}: no room for a KV-cache slot "
-                             f"({per_slot / GB:.2f} GB) next to {(base + extra) / GB:.1f} GB of "
-                             f"{usable / GB:.1f} GB usable")
-            kv_slots[call.name] = slots
-            extra += slots * per_slot
-            call_s[call.name] = costs.generate(cfg, layout, slots)
-        elif call.kind is Kind.INFERENCE:
-            extra += mem.inference_activation_bytes(cfg, layout, problem.tokens_per_micro_batch(call, layout, choice.micro_batches), p)
-            call_s[call.name] = costs.inference(cfg, layout, choice.micro_batches)
-        else:
-            ckpt = problem.checkpointing.get(call.model, False)
-            extra += mem.train_activation_bytes(cfg, layout, problem.tokens_per_micro_batch(call, layout, choice.micro_batches),
-                                                choice.micro_batches, ckpt, p)
-            call_s[call.name] = costs.train(cfg, layout, choice.micro_batches, ckpt)
-        if base + extra > usable:
-            return _fail(call.name, f" in {_where(layout)}: needs {(base + extra) / GB:.1f} GB on a device "
-                         f"({base / GB:.1f} GB resident + {extra / GB:.1f} GB for the call) but "
-                         f"{usable / GB:.1f} GB are usable")
-        peak[call.name] = base + extra
-        data_s[call.name] = _data_seconds(problem, plan, call, layout)
+        base = float(resident[_index(choice.layout)].max())
+        outcome = _place(problem, call, choice, home[call.model], base)
+        if isinstance(outcome, str):
+            return _fail(call.name, outcome)
+        placed[call.name] = outcome
+        peak[call.name] = base + outcome.extra_bytes
+        data_s[call.name] = _data_seconds(problem, plan, call, choice.layout)
 
     sim_calls = []
     for call in problem.graph.order:
@@ -128,16 +142,22 @@ def estimate(problem: Problem, plan: Plan, *, events: bool = False) -> Estimate:
         if call.kind is Kind.FUNCTION:
             sim_calls.append(SimCall(name=call.name, devices=(), seconds=0.0, deps=deps))
             continue
-        choice = plan[problem.index[call.name]]
+        got = placed[call.name]
         offloaded = problem.offload.get(call.model, False) and not problem.trained(call.model)
         sim_calls.append(SimCall(
-            name=call.name, devices=choice.layout.ranks, seconds=call_s[call.name], deps=deps, model=call.model,
-            trains=call.kind is Kind.TRAIN, data_seconds=data_s[call.name],
-            realloc_seconds=realloc_s.get(call.name, 0.0),
-            realloc_devices=() if offloaded else home[call.model].layout.ranks,
+            name=call.name, devices=plan[problem.index[call.name]].layout.ranks, seconds=got.seconds, deps=deps,
+            model=call.model, trains=call.kind is Kind.TRAIN, data_seconds=data_s[call.name],
+            realloc_seconds=got.realloc_s or 0.0, realloc_devices=() if offloaded else home[call.model].ranks,
         ))
     sim = simulate(sim_calls, n, problem.iterations, events=events)
-    return Estimate(True, sim.iteration_s, "", "", call_s, realloc_s, data_s, kv_slots, peak, sim)
+    return Estimate(
+        True, sim.iteration_s, "", "",
+        call_s={k: v.seconds for k, v in placed.items()},
+        realloc_s={k: v.realloc_s for k, v in placed.items() if v.realloc_s is not None},
+        data_s=data_s,
+        kv_slots={k: v.kv_slots for k, v in placed.items() if v.kv_slots is not None},
+        peak_bytes=peak, sim=sim,
+    )
 
 
 def _prefill_tokens(problem: Problem, layout) -> float:
