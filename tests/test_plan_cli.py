@@ -81,7 +81,7 @@ def test_unreachable_clusters_and_cyclic_graphs_are_named():
                        Call("train", Kind.TRAIN, "actor", ("responses",), ("weights",))))
 
 
-def test_profile_command_measures_a_small_shape(tmp_path, capsys):
+def test_profile_command_measures_a_small_shape(experiment, tmp_path, capsys):
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({**SMALL, "hidden_size": 64, "num_attention_heads": 4,
@@ -102,6 +102,11 @@ def test_profile_command_measures_a_small_shape(tmp_path, capsys):
     assert [ops.source(cfg, tp) for tp in (1, 2, 4)] == ["measured", "measured", "calibrated"]
     assert ops.layer_forward(cfg, 1, 128, 16) > 0 and ops.decode_layer(cfg, 2, 4, 64) > 0
     assert profile.rates["matmul_flops"] > 0 and profile.rates["hbm_bandwidth"] > 0
+    # planning with it uses its measured rates for the shapes it did not measure
+    capsys.readouterr()
+    assert main(["plan", str(experiment), "--devices", "2", "--time-limit", "0.5", "--profile", str(out),
+                 "--out", str(tmp_path / "planned")]) == 0
+    assert "(profile of cpu)" in capsys.readouterr().out
 
 
 def test_link_measurement_over_ranks(pool, tmp_path):

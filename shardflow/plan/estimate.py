@@ -6,6 +6,10 @@ in its home layout; a frozen model's weights in its call's layout unless offload
 call runs, what that call adds: a copy of the weights when the call's layout is not the model's
 home, activations, and for generation the KV cache (it takes what is left, up to what its requests
 need; a cache with fewer slots than requests makes the rest wait).
+
+A trained model's parameters are reallocated from home into a call's layout before the call; after
+it the copy is dropped (home still holds the parameters, which only training changes), so the way
+back costs nothing.
 """
 
 from __future__ import annotations

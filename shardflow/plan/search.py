@@ -1,7 +1,8 @@
 """Plan search: Metropolis-Hastings over plans, and exhaustive search where the space is small.
 
-A move changes one call: its devices (another device set, or the set of another call, so that
-calls can share devices), its layout on the same devices, or its micro-batch count. The energy
+A move changes one call: its devices (any other device set, a neighbouring one, or the set of
+another call, so that calls can share devices), its layout on the same devices, or its micro-batch
+count. The energy
 is the estimated iteration time; a plan that does not fit has infinite energy and is never
 accepted. A worse plan is accepted with probability ``exp(-relative slowdown / temperature)``,
 so a temperature of 0.05 accepts a plan 5% slower about one time in three.
@@ -75,8 +76,11 @@ def propose(space: Space, plan: Plan, rng: random.Random) -> Plan:
     call, current = calls[i], plan[i]
     start, size = current.layout.ranks[0], current.layout.size
     move = rng.random()
-    if move < 0.3:  # other devices, keeping tp and pp where they fit
+    if move < 0.15:  # other devices anywhere, keeping tp and pp where they fit
         start, size = space.random_set(call, rng)
+        choice = space.random_on(call, start, size, rng, keep=current)
+    elif move < 0.3:  # devices next to the current ones
+        start, size = space.nearby_set(call, start, size, rng)
         choice = space.random_on(call, start, size, rng, keep=current)
     elif move < 0.45 and len(calls) > 1:  # share another call's devices
         other = plan[rng.choice([j for j in range(len(calls)) if j != i])].layout

@@ -10,7 +10,9 @@ devices, then it runs. A call starts when:
   previous iteration's train call of that model, and a train call waits for every earlier call of
   its model in the iteration (they read the parameters it is about to change).
 Calls on disjoint devices overlap. Calls without devices (plain Python, e.g. a rule-based reward)
-take no time and finish when their inputs are ready.
+take no time and finish when their inputs are ready. Moving data occupies the consumer's devices
+only: producers are assumed to hand their outputs over without waiting for the consumer's turn
+(otherwise a producer busy with a later call would serialise calls on disjoint devices).
 
 The steady iteration time is the mean gap between consecutive iteration ends.
 """

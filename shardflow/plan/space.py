@@ -8,14 +8,16 @@ models share devices; the estimate checks that).
 
 from __future__ import annotations
 
+import math
 import random
 from functools import cached_property, lru_cache
 
+from shardflow.models.config import ModelConfig
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import check_layout
 from shardflow.plan import memory as mem
-from shardflow.plan.memory import AnyLayout, Shape
 from shardflow.plan.hardware import GB, Cluster
+from shardflow.plan.memory import AnyLayout, Shape
 from shardflow.plan.problem import Choice, Problem
 from shardflow.rl.graph import Call, Kind
 
@@ -41,7 +43,7 @@ def _divisors(n: int) -> list[int]:
 
 
 @lru_cache(maxsize=4096)
-def splits(cfg, pp: int, tp: int) -> bool:
+def splits(cfg: ModelConfig, pp: int, tp: int) -> bool:
     """Whether the model can be split pp x tp (the ranks do not matter)."""
     if pp > cfg.num_layers:
         return False
@@ -59,7 +61,8 @@ class Space:
         if not self.micro_batches or self.micro_batches[0] < 1:
             raise ValueError(f"micro-batch choices must be positive integers, got {micro_batches}")
         self.sets = device_sets(problem.cluster)
-        self._shapes: dict[tuple[str, int], tuple[tuple[int, int, int], ...]] = {}
+        self._shapes: dict[tuple[str, int], tuple[Shape, ...]] = {}
+        self._sizes: dict[str, tuple[int, ...]] = {}
         self._layouts: dict[tuple[int, int, int, int], Layout] = {}
         for call in problem.calls:
             if not any(self.shapes(call, size) for size in self.sizes):
@@ -94,13 +97,13 @@ class Space:
         tokens = problem.tokens_per_micro_batch(call, layout, k)
         return mem.weight_bytes(cfg, layout, p) + mem.inference_activation_bytes(cfg, layout, tokens, p)
 
-    def shapes(self, call: Call, size: int) -> tuple[tuple[int, int, int], ...]:
+    def shapes(self, call: Call, size: int) -> tuple[Shape, ...]:
         """(pp, dp, tp) over ``size`` devices that this call can use."""
         key = (call.name, size)
         if key not in self._shapes:
             problem = self.problem
             cfg = problem.models[call.model]
-            max_dp = -(-problem.workload.sequences // problem.steps(call))
+            max_dp = math.ceil(problem.workload.sequences / problem.steps(call))
             found = []
             for tp in _divisors(min(size, problem.cluster.gpus_per_node)):
                 if size % tp:
@@ -115,10 +118,9 @@ class Space:
 
     def usable_sizes(self, call: Call) -> tuple[int, ...]:
         """Device-set sizes on which the call has a layout."""
-        key = (call.name, "sizes")
-        if key not in self._shapes:
-            self._shapes[key] = tuple(s for s in self.sizes if self.shapes(call, s))
-        return self._shapes[key]
+        if call.name not in self._sizes:
+            self._sizes[call.name] = tuple(s for s in self.sizes if self.shapes(call, s))
+        return self._sizes[call.name]
 
     def layout(self, start: int, pp: int, dp: int, tp: int) -> Layout:
         key = (start, pp, dp, tp)
@@ -153,6 +155,22 @@ class Space:
         """A size uniformly among those the call can use, then a position uniformly."""
         size = rng.choice(self.usable_sizes(call))
         return rng.choice(self.starts[size]), size
+
+    def nearby_set(self, call: Call, start: int, size: int, rng: random.Random) -> DeviceSet:
+        """A device set next to this one: twice or half as large, one node more or fewer, or
+        shifted by its size or by a node (local steps matter when there are thousands of sets)."""
+        g = self.problem.cluster.gpus_per_node
+        options = {(start, size * 2), (start, size // 2), (start + size - size // 2, size // 2),
+                   (start - size, size), (start + size, size)}
+        if size >= g:
+            options |= {(start, size + g), (start, size - g), (start + g, size - g), (start - g, size + g),
+                        (start - g, size), (start + g, size)}
+        valid = sorted(o for o in options if o in self._set_index and o[1] in self.usable_sizes(call))
+        return rng.choice(valid) if valid else self.random_set(call, rng)
+
+    @cached_property
+    def _set_index(self) -> frozenset:
+        return frozenset(self.sets)
 
     def random_on(self, call: Call, start: int, size: int, rng: random.Random,
                   keep: Choice | None = None) -> Choice | None:
