@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from shardflow.generate_cli import add_parser as add_generate_parser
 from shardflow.runtime.launch import RankFailed
 
 
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo", help="directory for the tiny checkpoint")
     demo.add_argument("--nprocs", type=int, default=4, help="ranks to spawn (4 gives pp=2 x tp=2)")
     demo.set_defaults(run=_demo)
+    add_generate_parser(sub)
     _add_plan(sub)
     return parser
 

@@ -132,10 +132,14 @@ class AlgorithmConfig:
         _choice(f"{where}.name", self.name, ("grpo", "ppo"))
         _choice(f"{where}.kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
         _choice(f"{where}.loss_agg", self.loss_agg, ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
-        for key in ("batch_size", "epochs", "mini_batches", "micro_batch_tokens"):
+        for key in ("batch_size", "epochs", "mini_batches", "micro_batch_tokens", "adaptive_kl_horizon"):
             _positive(f"{where}.{key}", getattr(self, key))
         if self.batch_size % self.mini_batches:
             raise ValueError(f"{where}.mini_batches ({self.mini_batches}) must divide batch_size ({self.batch_size})")
+        if self.kl_in_reward and self.name != "ppo":
+            raise ValueError(f"{where}.kl_in_reward needs a per-token reward, i.e. name=ppo (got {self.name!r})")
+        if self.adaptive_kl_target > 0 and self.kl_coef <= 0:
+            raise ValueError(f"{where}.adaptive_kl_target needs a positive kl_coef to start from, got {self.kl_coef}")
 
 
 @dataclass(kw_only=True)

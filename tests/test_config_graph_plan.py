@@ -8,7 +8,8 @@ import yaml
 from shardflow.config import load_config
 from shardflow.models.config import ModelConfig
 from shardflow.models.tiny import tiny_hf_config
-from shardflow.parallel.layout import Layout
+from shardflow.parallel.layout import Layout, merge_replicas, split_replicas
+from shardflow.parallel.sharding import shard_for
 from shardflow.plan.execution_plan import CallPlan, ExecutionPlan, check_merge, symmetric_plan
 from shardflow.rl.graph import Call, Graph, Kind
 from shardflow.rl.graphs import build_graph
@@ -75,9 +76,29 @@ def test_plan_round_trip_and_validation(base_file):
 
 
 def test_adaptive_targets_must_merge_replicas():
-    check_merge(Layout.parse("d4p1t1@0-3"), Layout.parse("d2p1t2@0-3"))
-    check_merge(Layout.parse("d2p1t2@0-3"), Layout.parse("d1p1t4@0-3"))
+    final = Layout.parse("d1p1t4@0-3")
+    middle = split_replicas(final, 2)
+    start = split_replicas(middle, 2)
+    assert str(middle) == "d2p1t2@0,2,1,3" and merge_replicas(middle, 2) == final
+    check_merge(start, middle)
+    check_merge(middle, final)
+    check_merge(start, final)
+    with pytest.raises(ValueError, match="start from d2p1t2@0,2,1,3"):
+        check_merge(Layout.parse("d2p1t2@0-3"), final)
     with pytest.raises(ValueError, match="not reachable"):
         check_merge(Layout.parse("d2p1t2@0-3"), Layout.parse("d2p1t2@4-7"))
-    with pytest.raises(ValueError, match="not reachable"):
-        check_merge(Layout.parse("d2p1t1@0-1"), Layout.parse("d2p1t1@0-1"))
+
+
+def test_merged_layouts_nest_every_shard():
+    """After a merge each rank holds a sub-range of every tensor it held before."""
+    cfg = ModelConfig.from_hf_dict(tiny_hf_config("llama", num_attention_heads=8, num_key_value_heads=2,
+                                                  vocab_size=130).to_dict())
+    final = Layout.contiguous(tp=8)
+    chain = [split_replicas(final, 8), split_replicas(final, 4), split_replicas(final, 2), final]
+    for src, dst in zip(chain, chain[1:]):
+        for rank in final.ranks:
+            before, after = shard_for(cfg, src, rank).tensors, shard_for(cfg, dst, rank).tensors
+            for name, ts in after.items():
+                old = before[name]
+                if ts.dim is not None:
+                    assert old.start <= ts.start and ts.stop <= old.stop, (str(src), str(dst), rank, name)

@@ -26,7 +26,7 @@ def test_failing_rank_ends_the_job_with_its_traceback():
         launch(_rank_one_fails, 2, backend="gloo")
     assert "rank 1 failed" in str(info.value) and "boom from rank one" in str(info.value)
     assert "_rank_one_fails" in str(info.value)  # the traceback, not just the message
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 90  # spawning two torch processes dominates
 
 
 def test_layout_round_trips_and_groups():
@@ -37,8 +37,11 @@ def test_layout_round_trips_and_groups():
     assert layout.coord(6).pp == 1 and layout.coord(6).dp == 1 and layout.coord(6).tp == 0
     assert layout.replica_ranks(1) == (2, 3, 6, 7)
     assert len({layout, Layout.parse(str(layout))}) == 1
-    with pytest.raises(ValueError, match="strictly increasing"):
+    with pytest.raises(ValueError, match="each tp group must increase"):
         Layout((1, 0), tp=2)
+    interleaved = Layout.parse("d2p1t2@0,2,1,3")
+    assert interleaved.tp_group(2) == (0, 2) and interleaved.dp_group(1) == (0, 1)
+    assert str(interleaved) == "d2p1t2@0,2,1,3"
     with pytest.raises(ValueError, match="cannot parse layout"):
         Layout.parse("t2d1")
 

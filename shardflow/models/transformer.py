@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint
 
 from shardflow.models.config import ModelConfig, rope_inv_freq
 from shardflow.parallel.comm import copy_to_tp
@@ -134,6 +135,8 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: RankShard, tp_group: ProcessGroup | None):
         super().__init__()
         self.cfg, self.shard, self.tp_group = cfg, shard, tp_group
+        # Recompute each layer in backward instead of keeping its activations (set by training).
+        self.gradient_checkpointing = False
         self.model = nn.Module()
         if shard.first_stage:
             self.model.embed_tokens = VocabParallelEmbedding(shard.vocab_size, cfg.hidden_size,
@@ -162,8 +165,14 @@ class Transformer(nn.Module):
         stage. Returns hidden states [B,T,H], normed on the last stage."""
         h = self.model.embed_tokens(x) if self.shard.first_stage else x
         cos, sin = self.rope(positions, h.dtype)
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for layer in self.model.layers.values():
-            h = layer(h, cos, sin, attend)
+            if recompute:
+                # The decoder has no dropout, so the recomputation needs no saved RNG state. Under
+                # tp the recomputed forward repeats its two all-reduces inside backward.
+                h = checkpoint(layer, h, cos, sin, attend, use_reentrant=False, preserve_rng_state=False)
+            else:
+                h = layer(h, cos, sin, attend)
         if self.shard.last_stage:
             h = self.model.norm(h)
         return h

@@ -42,6 +42,14 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup | None, op: ReduceOp.RedOpTy
     return t
 
 
+def all_reduce_async(t: torch.Tensor, group: ProcessGroup | None) -> dist.Work | None:
+    """Start an in-place sum over the group; returns the handle to ``wait()`` on (None: no group)."""
+    if group is None:
+        return None
+    _count("all_reduce")
+    return dist.all_reduce(t, group=group, async_op=True)
+
+
 def all_gather(t: torch.Tensor, group: ProcessGroup | None, dim: int = -1) -> torch.Tensor:
     """Concatenate ``t`` from every rank of the group (in group rank order) along ``dim``."""
     if group is None:
@@ -104,3 +112,40 @@ def recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: 
     t = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(t, src=src)
     return t
+
+
+def batch_isend_irecv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+                      group: ProcessGroup | None = None) -> list[dist.Work]:
+    """Post ``(tensor, global peer)`` sends and receives as one batch (default group unless
+    ``group`` is given, which must contain the peers).
+
+    Nothing in a batch waits on another part of it (NCCL runs it as one group, gloo posts every
+    operation before any wait), so two ranks may send to each other at once. Messages between
+    one pair in one direction match in posting order. Counted as ``isend`` / ``irecv``; returns
+    the requests to wait on.
+    """
+    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    if not ops:
+        return []
+    for kind, items in (("isend", sends), ("irecv", recvs)):
+        for _ in items:
+            _count(kind)
+    return dist.batch_isend_irecv(ops)
+
+
+def exchange(sends: list[tuple[torch.Tensor, int]],
+             recvs: list[tuple[tuple[int, ...], torch.dtype, torch.device, int]],
+             group: ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Post every send ``(tensor, dst)`` and receive ``(shape, dtype, device, src)`` together, then
+    wait for all of them; returns the received tensors in order.
+
+    Posting both directions at once is what keeps a pipeline schedule deadlock-free: two stages
+    that each send to the other before receiving would block forever with ``send``/``recv``.
+    """
+    received = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device, _ in recvs]
+    works = batch_isend_irecv([(t.contiguous(), dst) for t, dst in sends],
+                              [(t, src) for t, (*_, src) in zip(received, recvs)], group)
+    for work in works:
+        work.wait()
+    return received

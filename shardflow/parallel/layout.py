@@ -6,6 +6,11 @@ one tensor-parallel group are neighbours (neighbouring GPUs share the fastest li
     index in layout.ranks = pp_index * dp * tp + dp_index * tp + tp_index
 
 A layout is a value: hashable, comparable and printable as ``d2p1t4@0-7``.
+
+The ranks of each tensor-parallel group must increase (so that a collective's rank order is the
+tp order), but replicas and stages may be interleaved: ``d2p1t2@0,2,1,3`` has tp groups (0, 2)
+and (1, 3). Adaptive tensor parallelism uses such layouts: merging its two replicas gives
+``d1p1t4@0-3`` with every rank keeping a sub-slice of the weights it already holds.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ class Coord:
 
 @dataclass(frozen=True)
 class Layout:
-    """Ranks (strictly increasing global ranks) split into pp stages x dp replicas x tp shards."""
+    """Distinct global ranks split into pp stages x dp replicas x tp shards (tp groups increasing)."""
 
     ranks: tuple[int, ...]
     pp: int = 1
@@ -55,8 +60,13 @@ class Layout:
             return
         if any(r < 0 for r in self.ranks):
             raise ValueError(f"layout ranks must be non-negative, got {list(self.ranks)}")
-        if any(b <= a for a, b in zip(self.ranks, self.ranks[1:])):
-            raise ValueError(f"layout ranks must be strictly increasing, got {list(self.ranks)}")
+        if len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"layout ranks must be distinct, got {list(self.ranks)}")
+        for start in range(0, len(self.ranks), self.tp):
+            group = self.ranks[start : start + self.tp]
+            if any(b <= a for a, b in zip(group, group[1:])):
+                raise ValueError(f"layout {list(self.ranks)}: the ranks of each tp group must increase, "
+                                 f"got {list(group)}")
 
     def __hash__(self) -> int:
         # Layouts key many caches and may list a thousand ranks: hash them once.
@@ -182,3 +192,28 @@ def format_ranks(ranks: tuple[int, ...]) -> str:
         parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
         i = j + 1
     return ",".join(parts)
+
+
+def merge_replicas(layout: Layout, factor: int) -> Layout:
+    """Merge each run of ``factor`` consecutive DP replicas into one tp group ``factor`` times wider.
+
+    Old tp index t of the m-th merged replica becomes new tp index ``t * factor + m``, so every rank
+    holds a sub-slice of what it held before (heads, columns and vocabulary rows nest). Raises
+    ValueError when the merged tp groups would not be increasing: start from ``split_replicas``.
+    """
+    if layout.pp != 1 or factor < 1 or layout.dp % factor:
+        raise ValueError(f"cannot merge replicas of {layout} by {factor}: needs pp=1 and a factor dividing dp")
+    tp = layout.tp * factor
+    ranks = tuple(layout.rank_at(0, g * factor + j % factor, j // factor)
+                  for g in range(layout.dp // factor) for j in range(tp))
+    return Layout(ranks, pp=1, dp=layout.dp // factor, tp=tp)
+
+
+def split_replicas(layout: Layout, factor: int) -> Layout:
+    """The inverse of ``merge_replicas``: the layout whose replicas merge into ``layout``."""
+    if layout.pp != 1 or factor < 1 or layout.tp % factor:
+        raise ValueError(f"cannot split {layout} by {factor}: needs pp=1 and a factor dividing tp")
+    tp = layout.tp // factor
+    ranks = tuple(layout.rank_at(0, r // factor, t * factor + r % factor)
+                  for r in range(layout.dp * factor) for t in range(tp))
+    return Layout(ranks, pp=1, dp=layout.dp * factor, tp=tp)

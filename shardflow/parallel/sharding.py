@@ -9,7 +9,7 @@ Every shard is a contiguous range of the full tensor along at most one dimension
 - column-parallel weights (q/k/v, gate/up) split their output rows by head / by column;
 - row-parallel weights (o, down) split their input columns the same way;
 - vocabulary-parallel embedding and LM head split rows over a vocabulary padded to a multiple
-  of tp (padding rows are zeros, and their logits are masked to -inf);
+  of lcm(tp, 128) (padding rows are zeros, and their logits are masked to -inf);
 - when tp exceeds the number of KV heads, each rank holds one KV head and tp / num_kv_heads
   ranks hold the same one (replication, as serving engines do);
 - norms, output biases and the value head are replicated.
@@ -17,6 +17,7 @@ Every shard is a contiguous range of the full tensor along at most one dimension
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -108,8 +109,16 @@ class RankShard:
         return self.coord.pp
 
 
+VOCAB_QUANTUM = 128
+
+
 def padded_vocab_size(cfg: ModelConfig, tp: int) -> int:
-    return -(-cfg.vocab_size // tp) * tp
+    """The vocabulary rounded up to a multiple of lcm(tp, 128).
+
+    The same for every power-of-two tp up to 128, so that vocabulary shards nest when adaptive
+    TP widens tp in place (and real vocabularies such as 128256 or 151936 need no padding)."""
+    quantum = math.lcm(tp, VOCAB_QUANTUM)
+    return -(-cfg.vocab_size // quantum) * quantum
 
 
 def check_layout(cfg: ModelConfig, layout: Layout) -> None:
@@ -256,6 +265,28 @@ def shard_for(cfg: ModelConfig, layout: Layout, rank: int) -> RankShard:
         vocab_size=vocab_local,
         tensors=tensors,
     )
+
+
+@lru_cache(maxsize=4096)
+def unique_tensors(cfg: ModelConfig, layout: Layout, rank: int) -> frozenset[str]:
+    """Tensors whose local slice this rank counts when every distinct element of one replica's
+    model must be counted once (e.g. a gradient norm).
+
+    A slice held by several tp ranks of the stage (replicated norms, KV heads shared when tp
+    exceeds the KV heads) counts on the lowest such tp index; a tied head's copy never counts
+    (the embedding does).
+    """
+    mine = shard_for(cfg, layout, rank)
+    c = mine.coord
+    lower = [shard_for(cfg, layout, layout.rank_at(c.pp, c.dp, t)) for t in range(c.tp)]  # lower tp indices
+    unique = set()
+    for name, ts in mine.tensors.items():
+        if ts.name != ts.source:
+            continue
+        key = (ts.dim, ts.start, ts.stop)
+        if all((p.tensors[name].dim, p.tensors[name].start, p.tensors[name].stop) != key for p in lower):
+            unique.add(name)
+    return frozenset(unique)
 
 
 def checkpoint_tensor_names(cfg: ModelConfig) -> list[str]:

@@ -90,15 +90,38 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_s
     return _VocabParallelLogprobs.apply(logits, targets, vocab_start, group)
 
 
-@torch.no_grad()
+class _VocabParallelEntropy(torch.autograd.Function):
+    """Entropy of softmax(logits) with the vocabulary split over tp ranks.
+
+    Forward: two all-reduces ([N] max, then [2, N] sums). Backward: none; with p = softmax and
+    H the entropy, dH/dx = -p * (log p + H), which each rank evaluates on its own columns. Only
+    the logits and three [N] statistics are saved; the softmax is recomputed in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        x = logits.float()
+        row_max = x.max(dim=-1).values
+        all_reduce(row_max, group, ReduceOp.MAX)
+        x = x - row_max.unsqueeze(-1)
+        exp = x.exp()
+        # H = log Z - E[x]; padded columns hold -inf logits: exp is 0 there, and 0 * -inf is masked.
+        sums = torch.stack([exp.sum(-1), torch.where(exp > 0, exp * x, 0.0).sum(-1)])
+        all_reduce(sums, group)
+        log_z = sums[0].log()
+        entropy = log_z - sums[1] / sums[0]
+        ctx.save_for_backward(logits, row_max, log_z, entropy)
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, row_max, log_z, entropy = ctx.saved_tensors
+        log_p = logits.float() - (row_max + log_z).unsqueeze(-1)  # [..., V_local]
+        p = log_p.exp()
+        g = torch.where(p > 0, -p * (log_p + entropy.unsqueeze(-1)), 0.0) * grad.unsqueeze(-1)
+        return g.to(logits.dtype), None
+
+
 def vocab_parallel_entropy(logits: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Entropy [...] of softmax(logits) with the vocabulary split over tp (no gradient)."""
-    x = logits.float()
-    row_max = x.max(dim=-1).values
-    all_reduce(row_max, group, ReduceOp.MAX)
-    x = x - row_max.unsqueeze(-1)
-    exp = x.exp()
-    # H = log Z - E[x]; padded columns hold -inf logits: exp is 0 there, and 0 * -inf is masked.
-    sums = torch.stack([exp.sum(-1), torch.where(exp > 0, exp * x, 0.0).sum(-1)])
-    all_reduce(sums, group)
-    return sums[0].log() - sums[1] / sums[0]
+    """Entropy [...] of softmax(logits) with the vocabulary split over tp (differentiable)."""
+    return _VocabParallelEntropy.apply(logits, group)

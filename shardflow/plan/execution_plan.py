@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import yaml
 
 from shardflow.models.config import ModelConfig
-from shardflow.parallel.layout import Layout
+from shardflow.parallel.layout import Layout, split_replicas
 from shardflow.parallel.sharding import check_layout
 from shardflow.rl.graph import Graph, Kind
 
@@ -149,13 +149,21 @@ class ExecutionPlan:
 
 
 def check_merge(src: Layout, dst: Layout) -> None:
-    """``dst`` must merge groups of DP replicas of ``src`` into wider tp, on the same ranks,
-    so that each rank keeps a sub-slice of the weights it holds (adaptive TP)."""
-    if dst.ranks != src.ranks or dst.pp != src.pp or src.pp != 1:
-        raise ValueError(f"{dst} is not reachable from {src} by merging replicas (same ranks, pp=1)")
-    if dst.tp <= src.tp or dst.tp % src.tp or src.dp % (dst.tp // src.tp):
-        raise ValueError(f"{dst} is not reachable from {src} by merging replicas (tp must grow by a factor "
-                         "that divides dp)")
+    """``dst`` must merge DP replicas of ``src`` into wider tp groups (adaptive TP) so that every
+    rank keeps a sub-slice of the weights it holds: each dst replica is a union of src replicas,
+    and a rank with src tp index t gets a dst tp index j with j // factor == t."""
+    factor = dst.tp // src.tp if dst.tp % src.tp == 0 else 0
+    if set(dst.ranks) != set(src.ranks) or src.pp != 1 or dst.pp != 1 or factor < 2 or src.dp % factor:
+        raise ValueError(f"{dst} is not reachable from {src} by merging replicas: same ranks, pp=1, and tp "
+                         "growing by a factor that divides dp")
+    for d in range(dst.dp):
+        members = dst.replica_ranks(d)
+        replicas = {src.coord(r).dp for r in members}
+        whole = all(set(src.replica_ranks(s)) <= set(members) for s in replicas)
+        nested = all(dst.coord(r).tp // factor == src.coord(r).tp for r in members)
+        if not (whole and nested):
+            raise ValueError(f"{dst} is not an in-place merge of {src}; start from "
+                             f"{split_replicas(dst, factor)} instead")
 
 
 def symmetric_plan(graph: Graph, num_devices: int, *, pp: int = 1, tp: int = 1) -> ExecutionPlan:

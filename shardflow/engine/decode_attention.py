@@ -1,0 +1,195 @@
+"""Attention of one new token per request over its slot of the KV cache.
+
+Two implementations with the same contract:
+
+- ``decode_attention_torch``: plain torch (gathers each row's slot and masks past its length);
+  runs anywhere, and is the reference.
+- ``decode_attention_triton``: a split-K Triton kernel for the GPU. Each program takes one
+  (request, KV head, split) and reads only that request's valid positions, through its slot index,
+  for all the query heads sharing the KV head (GQA); a second small kernel merges the splits with
+  their log-sum-exp. The split count depends only on the batch size, so a CUDA graph captured for
+  a batch size stays valid while lengths grow; each split's range is computed in the kernel from
+  the request's current length. Tested on CPU with ``TRITON_INTERPRET=1``.
+
+Shapes: B requests, H local query heads, K local KV heads, S cache slots, M max length, d head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the plain path needs no Triton
+    triton = None
+
+BLOCK_N = 64  # cache positions per inner step
+MAX_SPLITS = 32
+
+
+def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                           lengths: torch.Tensor, window: int | None) -> torch.Tensor:
+    """q [B,H,d]; caches [S,K,M,d]; slots, lengths [B] -> [B,H,d].
+
+    Row b attends to positions [max(0, lengths[b] - window), lengths[b]) of slot ``slots[b]``.
+    """
+    k, v = k_cache[slots], v_cache[slots]  # [B,K,M,d]
+    pos = torch.arange(k.shape[2], device=q.device)
+    valid = pos[None, :] < lengths[:, None]  # [B,M]
+    if window is not None:
+        valid &= pos[None, :] >= lengths[:, None] - window
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid[:, None, None, :],
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out[:, :, 0]
+
+
+def num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
+    """Splits of each request's positions: about four programs per SM, so that the last wave of
+    programs is a small part of the work."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = math.ceil(4 * sms / max(1, batch * kv_heads))
+    return max(1, min(want, MAX_SPLITS, math.ceil(max_len / BLOCK_N)))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(Q, K, V, Slots, Lengths, Acc, Max, Sum,
+                      stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
+                      stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
+                      scale_log2, window,
+                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        slot = tl.load(Slots + b).to(tl.int64)
+        length = tl.load(Lengths + b).to(tl.int32)
+        start = length * 0
+        if window > 0:
+            start = tl.maximum(length - window, 0)
+        chunk = tl.cdiv(tl.cdiv(length - start, SPLITS), BLOCK) * BLOCK
+        lo = start + split * chunk
+        hi = tl.minimum(lo + chunk, length)
+
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK)
+        mask_h = offs_h < GROUP
+        mask_d = offs_d < HEAD_DIM
+        heads = kvh * GROUP + offs_h
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+        if UPCAST:
+            q = q.to(tl.float32)
+        k_base = K + slot * stride_ks + kvh * stride_kh
+        v_base = V + slot * stride_vs + kvh * stride_vh
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for n0 in range(lo, hi, BLOCK):
+            pos = n0 + offs_n
+            mask_n = pos < hi
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(k_base + pos[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_H, BLOCK]
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + pos[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        a_ptr = Acc + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
+        tl.store(a_ptr, acc, mask=mask_h[:, None] & mask_d[None, :])
+        m_off = b * stride_mb + heads * stride_mh + split
+        tl.store(Max + m_off, m_i, mask=mask_h)
+        tl.store(Sum + m_off, l_i, mask=mask_h)
+
+    @triton.jit
+    def _merge_kernel(Acc, Max, Sum, Out, stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
+                      stride_ob, stride_oh,
+                      HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_s = offs_s < SPLITS
+        mask_d = offs_d < HEAD_DIM
+        m = tl.load(Max + b * stride_mb + h * stride_mh + offs_s, mask=mask_s, other=float("-inf"))
+        s = tl.load(Sum + b * stride_mb + h * stride_mh + offs_s, mask=mask_s, other=0.0)
+        w = tl.exp2(m - tl.max(m, 0))  # empty splits have m = -inf: weight 0
+        acc = tl.load(Acc + b * stride_ab + h * stride_ah + offs_s[:, None] * stride_as + offs_d[None, :],
+                      mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(s * w, 0)
+        tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                            lengths: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Same contract as ``decode_attention_torch``; GPU (or ``TRITON_INTERPRET=1`` on CPU)."""
+    if triton is None:
+        raise RuntimeError("the Triton decode attention needs the triton package")
+    q = q.contiguous()  # a no-op for the model's q; a compiled graph may lay it out otherwise
+    B, H, d = q.shape
+    _, K, M, _ = k_cache.shape
+    assert H % K == 0 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    group = H // K
+    splits = num_splits(B, K, M, q.device)
+    acc = torch.empty(B, H, splits, d, dtype=torch.float32, device=q.device)
+    row_max = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+    row_sum = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, H, d, dtype=q.dtype, device=q.device)
+    block_d = max(16, triton.next_power_of_2(d))
+    # fp32 caches (tests, parity checks) take exact fp32 products, not TF32. Triton's CPU
+    # interpreter cannot multiply bf16 tiles, so there they are upcast to fp32 first.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    upcast = q.device.type != "cuda"
+    _split_kernel[(B, K, splits)](
+        q, k_cache, v_cache, slots, lengths, acc, row_max, row_sum,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0), row_max.stride(1),
+        (1.0 / math.sqrt(d)) * math.log2(math.e), window or 0,
+        GROUP=group, HEAD_DIM=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d, BLOCK=BLOCK_N, PRECISION=precision, UPCAST=upcast, num_warps=4, num_stages=2,
+    )
+    _merge_kernel[(B, H)](
+        acc, row_max, row_sum, out, acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0),
+        row_max.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=d, SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d, num_warps=4,
+    )
+    return out
+
+
+# A registered operator, so that torch.compile treats the kernel as one opaque call.
+@torch.library.custom_op("shardflow::decode_attention", mutates_args=())
+def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                        lengths: torch.Tensor, window: int) -> torch.Tensor:
+    return decode_attention_triton(q, k_cache, v_cache, slots, lengths, window or None)
+
+
+@decode_attention_op.register_fake
+def _(q, k_cache, v_cache, slots, lengths, window):
+    return q.new_empty(q.shape)  # contiguous, like the real output
+
+
+def _triton_via_op(q, k_cache, v_cache, slots, lengths, window):
+    return decode_attention_op(q, k_cache, v_cache, slots, lengths, window or 0)
+
+
+# name -> attention function (the ``attention`` engine option)
+ATTENTION = {"torch": decode_attention_torch, "triton": _triton_via_op}

@@ -1,0 +1,319 @@
+"""The generation engine of one data-parallel replica: admission, prefill, decode, retirement.
+
+Every tp rank of a replica runs the same loop on the same requests and takes the same decisions,
+because they depend only on data every rank holds identically (the requests and the sampled
+tokens, which ``sampling.sample`` makes identical across tp). ``submit`` queues requests; each
+``step`` does:
+
+1. admit waiting requests into free KV slots, first come first served; the samples of one prompt
+   are admitted together (at most ``num_slots`` at a time) and share one prefill;
+2. prefill the admitted prompts in chunks of at most ``max_prefill_tokens`` padded tokens, copy
+   each prompt's KV into its sibling samples' slots, and sample every request's first token;
+3. run one decode step over every active request (graph-captured on GPU) and read the new tokens
+   back (the one host synchronisation per step);
+4. retire finished requests at once, freeing their slots, so the active batch shrinks.
+
+``generate`` steps until every request is done. ``evict`` takes unfinished requests out with
+their state; a request that arrives with generated tokens already (moved from another engine) is
+prefilled with ``prompt + output[:-1]`` (recomputing its KV) and continues from its last token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from shardflow.engine.cuda_graphs import GraphedDecode
+from shardflow.engine.decode_attention import ATTENTION
+from shardflow.engine.kv_cache import KVCache, bytes_per_slot
+from shardflow.engine.requests import Request
+from shardflow.engine.sampling import SamplingTensors, batch_mode, sample
+from shardflow.engine.steps import decode_logits, prefill_logits
+from shardflow.models.transformer import Transformer
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    max_seq_len: int | None = None  # prompt + completion tokens; None: the model's max_position_embeddings
+    max_batch_size: int = 256  # most requests decoded at once (KV slots)
+    kv_cache_bytes: int | None = None  # this rank's KV budget; None: max_batch_size slots (CPU), 90% of free memory (GPU)
+    max_prefill_tokens: int = 16384  # padded tokens in one prefill forward
+    attention: str = "auto"  # decode attention: "torch", "triton", or "auto" (triton on CUDA)
+    cuda_graphs: bool | None = None  # capture decode steps as CUDA graphs; None: on CUDA
+    compile: bool = False  # torch.compile the decode step (fuses elementwise ops; tp = 1 only)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("auto", *ATTENTION):
+            raise ValueError(f"attention must be one of auto, {', '.join(ATTENTION)}; got {self.attention!r}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be at least 2, got {self.max_seq_len}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be positive, got {self.max_batch_size}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+
+
+@dataclass
+class GenerationStats:
+    decode_steps: list[tuple[int, float]] = field(default_factory=list)  # (active batch, seconds) per step
+    prefill_seconds: float = 0.0
+    prefill_tokens: int = 0  # real (unpadded) tokens prefilled
+    generated_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, model: Transformer, config: EngineConfig = EngineConfig(), *,
+                 eos_token_ids: Sequence[int] = ()):
+        cfg, shard = model.cfg, model.shard
+        if not (shard.first_stage and shard.last_stage):
+            raise ValueError(f"generation with pipeline parallelism is not supported (layout {shard.layout}); "
+                             "use pp=1")
+        if cfg.value_head:
+            raise ValueError("a value model has no LM head and cannot generate")
+        param = next(model.parameters())
+        self.model, self.config = model, config
+        self.device, self.dtype = param.device, param.dtype
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.attention_name = config.attention if config.attention != "auto" else (
+            "triton" if self.device.type == "cuda" else "torch")
+        self.attention = ATTENTION[self.attention_name]
+        self.use_graphs = self.device.type == "cuda" if config.cuda_graphs is None else config.cuda_graphs
+        if self.use_graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
+        if config.compile and shard.tp_size > 1:
+            raise ValueError("compile is implemented for tp=1 only; run tp > 1 without it")
+        self._step_fn = torch.compile(self._step) if config.compile else self._step
+        self.stats = GenerationStats()
+        self.waiting: deque[list[Request]] = deque()  # prefill units waiting for free slots
+        self.active: list[Request] = []  # requests holding a slot, in admission order
+        self.cache: KVCache | None = None
+        self.reset_cache()
+
+    # ----- memory ------------------------------------------------------------------------------
+
+    def reset_cache(self, *, max_seq_len: int | None = None, kv_cache_bytes: int | None = None) -> None:
+        """(Re)allocate the KV cache while no request holds a slot; drops captured graphs."""
+        if self.active:
+            raise RuntimeError("cannot reallocate the KV cache while requests hold slots; evict them first")
+        cfg, shard, config = self.model.cfg, self.model.shard, self.config
+        self.max_seq_len = max_seq_len or config.max_seq_len or cfg.max_position_embeddings
+        if self.max_seq_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's max_position_embeddings="
+                             f"{cfg.max_position_embeddings}")
+        max_len = self.max_seq_len - 1  # the last token of a full sequence is never fed back
+        self.release_cache()
+        budget = kv_cache_bytes or config.kv_cache_bytes or self._default_budget(max_len)
+        self.cache = KVCache.for_model(cfg, shard, budget_bytes=budget, max_len=max_len,
+                                       max_slots=config.max_batch_size, dtype=self.dtype, device=self.device)
+        if config.compile:  # one compiled graph serves every cache size
+            for t in (*self.cache.k.values(), *self.cache.v.values()):
+                torch._dynamo.mark_dynamic(t, 0)
+                torch._dynamo.mark_dynamic(t, 2)
+        if self.use_graphs:
+            self.decode = GraphedDecode(self._step_fn, max_batch=self.cache.num_slots,
+                                        scratch_slot=self.cache.scratch_slot, device=self.device)
+        else:
+            self.decode = self._eager_decode
+
+    def release_cache(self) -> None:
+        """Free the KV cache and the graphs that read it (``reset_cache`` makes a new one)."""
+        self.cache = self.decode = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _default_budget(self, max_len: int) -> int:
+        cfg, shard, config = self.model.cfg, self.model.shard, self.config
+        if self.device.type != "cuda":
+            return (config.max_batch_size + 1) * bytes_per_slot(shard, cfg, max_len, self.dtype)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        item = torch.empty((), dtype=self.dtype).element_size()
+        # Room for prefill activations and for sampling over [batch, vocabulary] in float32.
+        prefill = config.max_prefill_tokens * (6 * cfg.hidden_size + 3 * shard.intermediate_size) * item
+        sampling = 8 * config.max_batch_size * cfg.vocab_size * 4
+        return max(1, int(0.9 * free) - prefill - sampling - (1 << 30))
+
+    # ----- one decode step (what a CUDA graph captures) -------------------------------------------
+
+    def _step(self, ints: torch.Tensor, floats: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """ints [5,B] (tokens, positions, slots, top_k, seeds), floats [2,B] (temperature, top_p)."""
+        tokens, positions, slots, top_k, seeds = ints.unbind(0)
+        temperature, top_p = floats.unbind(0)
+        logits = decode_logits(self.model, self.cache, self.attention, tokens, positions, slots)
+        st = SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds, position=positions + 1)
+        return sample(logits, st, vocab_start=self.model.shard.vocab_start, vocab_size=self.model.cfg.vocab_size,
+                      group=self.model.tp_group, mode=mode)
+
+    def _eager_decode(self, ints: torch.Tensor, floats: torch.Tensor, mode: str):
+        return self._step_fn(ints.to(self.device), floats.to(self.device), mode)
+
+    # ----- the loop ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, requests: Sequence[Request],
+                 on_finish: Callable[[Request], None] | None = None) -> Sequence[Request]:
+        """Run ``requests`` to completion (in place); ``on_finish`` is called as each one ends."""
+        self.submit(requests)
+        while self.busy:
+            self.step(on_finish)
+        return requests
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        """Queue requests (fresh, or carrying generated tokens from elsewhere) for admission."""
+        for r in requests:
+            if r.done or r.slot is not None:
+                raise ValueError(f"request {r.request_id} is already finished or admitted elsewhere")
+            if not r.prompt_ids:
+                raise ValueError(f"request {r.request_id} has an empty prompt")
+            if r.num_tokens >= self.max_seq_len:
+                raise ValueError(f"request {r.request_id}: {r.num_tokens} tokens leave no room to generate "
+                                 f"under max_seq_len={self.max_seq_len}")
+        self.waiting.extend(self._prefill_units(requests))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    @torch.no_grad()
+    def step(self, on_finish: Callable[[Request], None] | None = None) -> None:
+        """One iteration: admit and prefill what fits, then one decode step over the active batch."""
+        admitted = []
+        while self.waiting and len(self.waiting[0]) <= self.cache.num_free:
+            unit = self.waiting.popleft()
+            for r, slot in zip(unit, self.cache.allocate(len(unit))):
+                r.slot = slot
+            admitted.append(unit)
+        assert admitted or self.active or not self.waiting, "a prefill unit larger than the cache"
+        if admitted:
+            self._prefill(admitted)
+            self.active += [r for unit in admitted for r in unit]
+            self._retire(on_finish)
+        if self.active:
+            self._decode_step(self.active)
+            self._retire(on_finish)
+
+    def evict(self) -> list[Request]:
+        """Take out every unfinished request, active ones first, and free their slots. Their tokens,
+        log-probabilities and seeds stay with them; their KV does not (``cached_len`` drops to 0),
+        so submitting them to any engine recomputes it and continues where they stopped."""
+        requests = self.active + [r for unit in self.waiting for r in unit]
+        for r in self.active:
+            self.cache.release(r.slot)
+            r.slot, r.cached_len = None, 0
+        self.active, self.waiting = [], deque()
+        return requests
+
+    def _prefill_units(self, requests: Sequence[Request]) -> list[list[Request]]:
+        """Requests that share one prefill: fresh samples of one prompt (at most ``num_slots``);
+        a request with generated tokens is its own unit."""
+        units: list[list[Request]] = []
+        by_group: dict[int, list[Request]] = {}
+        for r in requests:
+            unit = by_group.get(r.group) if not r.output_ids else None
+            if unit is None or len(unit) == self.cache.num_slots or unit[0].prompt_ids != r.prompt_ids:
+                unit = []
+                units.append(unit)
+                if not r.output_ids:
+                    by_group[r.group] = unit
+            unit.append(r)
+        return units
+
+    def _prefill(self, units: list[list[Request]]) -> None:
+        start = time.perf_counter()
+        chunk: list[list[Request]] = []
+        for unit in units:
+            width = max(len(_prefill_ids(u[0])) for u in chunk + [unit])
+            if chunk and width * (len(chunk) + 1) > self.config.max_prefill_tokens:
+                self._prefill_chunk(chunk)
+                chunk = []
+            chunk.append(unit)
+        self._prefill_chunk(chunk)
+        self.stats.prefill_seconds += time.perf_counter() - start
+
+    def _prefill_chunk(self, units: list[list[Request]]) -> None:
+        seqs = [_prefill_ids(u[0]) for u in units]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+        lengths = torch.tensor([len(s) for s in seqs])
+        slots = torch.tensor([u[0].slot for u in units])
+        logits = prefill_logits(self.model, self.cache, ids.to(self.device), lengths.to(self.device),
+                                slots.to(self.device))  # [G, V_local]
+        self.stats.prefill_tokens += int(lengths.sum())
+        fresh, rows = [], []
+        for i, (unit, seq) in enumerate(zip(units, seqs)):
+            if len(unit) > 1:
+                self.cache.copy_prefix(unit[0].slot, [r.slot for r in unit[1:]], len(seq))
+            for r in unit:
+                r.cached_len = len(seq)
+                if not r.output_ids:
+                    fresh.append(r)
+                    rows.append(i)
+        if fresh:
+            ints, floats = _step_inputs(fresh)
+            st = SamplingTensors(temperature=floats[0], top_k=ints[3], top_p=floats[1], seed=ints[4],
+                                 position=torch.tensor([r.num_tokens for r in fresh]))
+            st = SamplingTensors(**{k: v.to(self.device) for k, v in vars(st).items()})
+            tokens, logprobs = sample(logits[torch.tensor(rows, device=self.device)], st,
+                                      vocab_start=self.model.shard.vocab_start,
+                                      vocab_size=self.model.cfg.vocab_size, group=self.model.tp_group,
+                                      mode=_mode(fresh))
+            self._record(fresh, tokens, logprobs)
+
+    def _decode_step(self, active: list[Request]) -> None:
+        ints, floats = _step_inputs(active)
+        ints[0] = torch.tensor([r.output_ids[-1] for r in active])
+        start = time.perf_counter()
+        tokens, logprobs = self.decode(ints, floats, _mode(active))
+        for r in active:
+            r.cached_len += 1
+        self._record(active, tokens, logprobs)  # reads the tokens back: waits for the step
+        self.stats.decode_steps.append((len(active), time.perf_counter() - start))
+
+    def _record(self, requests: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        host = torch.stack([tokens.double(), logprobs.double()]).cpu()  # one device-to-host copy
+        for r, token, logprob in zip(requests, host[0].long().tolist(), host[1].tolist()):
+            r.append(token, logprob, stop_ids=self._stop_ids(r), max_seq_len=self.max_seq_len)
+        self.stats.generated_tokens += len(requests)
+
+    def _stop_ids(self, r: Request) -> frozenset[int]:
+        stop = frozenset(r.params.stop_token_ids)
+        return stop if r.params.ignore_eos else stop | self.eos_token_ids
+
+    def _retire(self, on_finish: Callable[[Request], None] | None) -> None:
+        """Free the slots of finished requests at once: the active batch shrinks."""
+        still = []
+        for r in self.active:
+            if not r.done:
+                still.append(r)
+                continue
+            self.cache.release(r.slot)
+            r.slot, r.cached_len = None, 0
+            if on_finish is not None:
+                on_finish(r)
+        self.active = still
+
+
+def _prefill_ids(r: Request) -> list[int]:
+    """The tokens whose KV a request's slot needs before its next decode step."""
+    return r.prompt_ids + r.output_ids[:-1]
+
+
+def _step_inputs(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host tensors ints [5,B] (tokens left 0, positions, slots, top_k, seeds), floats [2,B]."""
+    ints = torch.tensor([[0, r.cached_len, r.slot, r.params.top_k, r.seed] for r in requests],
+                        dtype=torch.int64).T.contiguous()
+    floats = torch.tensor([[r.params.temperature, r.params.top_p] for r in requests],
+                          dtype=torch.float32).T.contiguous()
+    return ints, floats
+
+
+def _mode(requests: list[Request]) -> str:
+    return batch_mode([r.params.temperature for r in requests], [r.params.top_k for r in requests],
+                      [r.params.top_p for r in requests])

@@ -1,0 +1,64 @@
+"""Forward-only inference calls: per-token log-probabilities, entropy or values of a batch.
+
+Every rank of the layout calls ``infer`` with its data-parallel replica's share of the batch.
+Micro-batches bounded by a token budget flow through the pipeline stages; the last stage turns
+hidden states into the requested output. The result stays where the conventions say: on the
+replica's last-stage ranks (each tp rank holds an identical copy); other ranks get None.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardflow.batch import SequenceBatch
+from shardflow.engine.micro_batches import make_micro_batches, split_by_tokens
+from shardflow.engine.outputs import check_outputs, token_outputs
+from shardflow.engine.pipeline import StageLinks, forward_only
+from shardflow.models.transformer import Transformer
+from shardflow.parallel.layout import Layout
+from shardflow.parallel.world import World
+
+
+@torch.no_grad()
+def infer(model: Transformer, layout: Layout, world: World, batch: SequenceBatch, what: str, *,
+          micro_batch_tokens: int, temperature: float = 1.0) -> SequenceBatch | None:
+    """``batch`` with a new packed float32 token field ``what`` ("logprobs" or "entropy" for a
+    language model, "values" for a value model), aligned as the conventions say, on the last
+    stage; None on other stages. ``temperature`` divides the logits (as in sampling)."""
+    check_outputs(model, (what,))
+    if model.shard.layout != layout or model.shard.rank != world.rank:
+        raise ValueError(f"the model was built for rank {model.shard.rank} of {model.shard.layout}, "
+                         f"not rank {world.rank} of {layout}")
+    if "input_ids" not in batch.token_fields:
+        raise ValueError(f"inference batch lacks token field 'input_ids' (has {sorted(batch.token_fields)})")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    shard = model.shard
+    param = next(iter(model.parameters()))
+    device, dtype = param.device, param.dtype
+    groups = split_by_tokens(batch.lengths, micro_batch_tokens, min_micro_batches=layout.pp)
+    ids_only = SequenceBatch(batch.sample_ids, batch.lengths, {"input_ids": batch.token_fields["input_ids"]})
+    micro = make_micro_batches(ids_only, groups, device)  # no other field goes to the device
+    results: list[torch.Tensor] = []  # packed output of each micro-batch (last stage)
+
+    def forward_step(i: int, x: torch.Tensor | None) -> torch.Tensor | None:
+        mb = micro[i]
+        hidden = model(mb.ids if shard.first_stage else x, mb.positions)  # [B,T,H]
+        if not shard.last_stage:
+            return hidden
+        results.append(token_outputs(model, hidden, mb, (what,), temperature=temperature)[what])
+        return None
+
+    shapes = [(*mb.ids.shape, model.cfg.hidden_size) for mb in micro]
+    pp_group = world.groups.get(layout.pp_group(world.rank))
+    forward_only(StageLinks.of(layout, world.rank, pp_group, shapes, dtype, device), forward_step)
+    if not shard.last_stage:
+        return None
+    # Back to the batch's order: micro-batch outputs cover the sequences in `groups` order.
+    offsets = batch.offsets.tolist()
+    rows = [torch.arange(offsets[s], offsets[s + 1]) for group in groups for s in group]
+    out = torch.empty(batch.num_tokens, dtype=torch.float32, device=device)  # [num_tokens]
+    if rows:
+        out[torch.cat(rows).to(device)] = torch.cat(results)
+    target = batch.token_fields["input_ids"].device
+    return batch.update(token_fields={what: out.to(target)})

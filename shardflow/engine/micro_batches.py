@@ -1,0 +1,101 @@
+"""Split a batch of variable-length sequences into micro-batches bounded by a token budget.
+
+A model call pads each micro-batch to its longest sequence, so the budget counts padded tokens:
+``len(micro_batch) * longest <= max_tokens``. Sorting by length (longest first) keeps the padding
+tight; cutting the sorted order into maximal runs gives the fewest micro-batches a contiguous
+split of that order can have. Ties keep their input order, so the split is deterministic and
+every rank of a replica, given the same lengths, computes the same one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from shardflow.batch import SequenceBatch
+
+
+def split_by_tokens(lengths: Sequence[int] | torch.Tensor, max_tokens: int, *,
+                    min_micro_batches: int = 1) -> list[list[int]]:
+    """Indices (into ``lengths``) of each micro-batch, longest sequences first.
+
+    ``min_micro_batches`` asks for at least that many micro-batches (as many as there are
+    sequences, if fewer), e.g. one per pipeline stage so that every stage has work in flight;
+    the most expensive micro-batches are halved until there are that many.
+    """
+    lengths = [int(n) for n in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
+    if max_tokens < 1:
+        raise ValueError(f"micro-batch token budget must be positive, got {max_tokens}")
+    if min_micro_batches < 1:
+        raise ValueError(f"min_micro_batches must be positive, got {min_micro_batches}")
+    if any(n < 1 for n in lengths):
+        raise ValueError(f"every sequence needs at least one token, got lengths {lengths}")
+    if not lengths:
+        return []
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep input order
+    longest = lengths[order[0]]
+    if longest > max_tokens:
+        raise ValueError(
+            f"sequence {order[0]} has {longest} tokens, more than the micro-batch budget of "
+            f"{max_tokens} tokens; raise the budget to at least the longest sequence"
+        )
+    sorted_lengths = [lengths[i] for i in order]
+    runs = _cut(sorted_lengths, max_tokens)
+    while len(runs) < min(min_micro_batches, len(lengths)):
+        # Halve the most expensive run that has two or more sequences (the first on ties).
+        cost = [(b - a) * sorted_lengths[a] if b - a > 1 else -1 for a, b in runs]
+        j = cost.index(max(cost))
+        a, b = runs[j]
+        mid = a + (b - a + 1) // 2
+        runs[j:j + 1] = [(a, mid), (mid, b)]
+    return [[order[i] for i in range(a, b)] for a, b in runs]
+
+
+def _cut(sorted_lengths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Maximal runs ``[a, b)`` of a longest-first list with ``(b - a) * longest <= budget``."""
+    runs, a = [], 0
+    while a < len(sorted_lengths):
+        per_batch = budget // sorted_lengths[a]  # the first of a run is its longest
+        b = min(a + per_batch, len(sorted_lengths))
+        runs.append((a, b))
+        a = b
+    return runs
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroBatch:
+    """One micro-batch, ready on the model's device.
+
+    Everything the pipeline loop needs is built before the loop starts: copying a host tensor to
+    a GPU, or indexing with a boolean mask on one, waits for the device, which would stall the
+    pipeline once per micro-batch.
+    """
+
+    batch: SequenceBatch  # the sequences with every field of the step's batch (fields on the device)
+    ids: torch.Tensor  # [B,T] input ids, right-padded
+    positions: torch.Tensor  # [B,T]
+    token_index: torch.Tensor  # [num_tokens] position of each packed token in the flattened [B*T]
+
+    def pack(self, padded: torch.Tensor) -> torch.Tensor:
+        """[B,T,...] -> packed [num_tokens, ...] (the inverse of the padding)."""
+        return padded.flatten(0, 1)[self.token_index]
+
+
+def make_micro_batches(batch: SequenceBatch, groups: list[list[int]], device: torch.device) -> list[MicroBatch]:
+    """The micro-batches of ``batch`` holding the sequences of each group, on ``device``."""
+    out = []
+    for group in groups:
+        mb = batch.select(group)
+        ids = mb.padded("input_ids")  # [B,T]
+        width = ids.shape[1]
+        rows = torch.repeat_interleave(torch.arange(len(mb)), mb.lengths)  # [num_tokens]
+        cols = torch.arange(mb.num_tokens) - torch.repeat_interleave(mb.offsets[:-1], mb.lengths)
+        out.append(MicroBatch(
+            batch=mb.to(device),
+            ids=ids.to(device),
+            positions=torch.arange(width, device=device).expand(ids.shape),
+            token_index=(rows * width + cols).to(device),
+        ))
+    return out

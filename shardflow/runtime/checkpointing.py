@@ -1,0 +1,89 @@
+"""Atomic run checkpoints: a kill at any moment leaves the previous checkpoint usable.
+
+Layout under ``<out_dir>/checkpoints``:
+
+    iter-000010/          one complete checkpoint (HF weights per trained model, per-rank state)
+    latest                name of the newest complete checkpoint (replaced atomically)
+    tmp-000012/           a checkpoint being written (ignored, removed on the next save)
+
+Every rank writes its own files into ``tmp-N``; after a barrier the first rank renames it to
+``iter-N`` and only then points ``latest`` at it. Resume reads ``latest``, nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+LATEST = "latest"
+
+
+def checkpoint_root(out_dir: Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def staging_dir(out_dir: Path, iteration: int) -> Path:
+    return checkpoint_root(out_dir) / f"tmp-{iteration:06d}"
+
+
+def final_dir(out_dir: Path, iteration: int) -> Path:
+    return checkpoint_root(out_dir) / f"iter-{iteration:06d}"
+
+
+def begin(out_dir: Path, iteration: int) -> Path:
+    """First rank only: a fresh staging directory for this iteration's checkpoint."""
+    root = checkpoint_root(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob("tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = staging_dir(out_dir, iteration)
+    staging.mkdir()
+    return staging
+
+
+def commit(out_dir: Path, iteration: int, keep: int) -> Path:
+    """First rank only, after every rank finished writing: publish and prune."""
+    staging, final = staging_dir(out_dir, iteration), final_dir(out_dir, iteration)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    _fsync_dir(final.parent)
+    pointer = checkpoint_root(out_dir) / LATEST
+    tmp_pointer = pointer.with_suffix(".tmp")
+    tmp_pointer.write_text(final.name + "\n")
+    os.replace(tmp_pointer, pointer)
+    _fsync_dir(final.parent)
+    complete = sorted(p for p in checkpoint_root(out_dir).glob("iter-*") if p.is_dir())
+    for old in complete[: max(0, len(complete) - max(keep, 1))]:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest(out_dir: Path) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    pointer = checkpoint_root(out_dir) / LATEST
+    if not pointer.is_file():
+        return None
+    path = checkpoint_root(out_dir) / pointer.read_text().strip()
+    if not path.is_dir():
+        raise FileNotFoundError(f"{pointer} names {path.name}, which does not exist")
+    return path
+
+
+def iteration_of(path: Path) -> int:
+    return int(path.name.split("-")[1])
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

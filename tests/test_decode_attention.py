@@ -1,0 +1,88 @@
+"""The Triton split-K decode kernel against the plain torch path, run by Triton's CPU interpreter.
+
+Triton picks the interpreter when a kernel is defined, so the checks run in a fresh process with
+``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardflow.engine.decode_attention import decode_attention_torch
+
+pytest.importorskip("triton")
+
+
+def check_kernel() -> None:
+    from shardflow.engine.decode_attention import decode_attention_triton, num_splits
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    cpu = torch.device("cpu")
+    assert num_splits(5, 2, 300, cpu) == 2 and num_splits(5, 1, 300, cpu) == 4 and num_splits(8, 2, 300, cpu) == 1
+    g = torch.Generator().manual_seed(0)
+    # (query heads, KV heads, head dim, dtype, window, rows): GQA groups of 2, 3 (not a power of
+    # two) and 8; a head dim that is not a power of two; bf16 as on the GPU; sliding windows; rows
+    # giving several splits per request, and (8 rows x 2 KV heads) a single split.
+    cases = [(4, 2, 16, torch.float32, None, 5), (6, 2, 24, torch.float32, 16, 5),
+             (8, 1, 32, torch.bfloat16, 100, 5), (4, 2, 16, torch.float32, None, 8)]
+    for H, K, d, dtype, window, rows in cases:
+        # one position, exact and partial blocks, and a full slot; any slot order
+        lengths = torch.tensor([1, 64, 65, 300, 137, 2, 90, 299])[:rows]
+        slots = torch.tensor([2, 0, 5, 3, 1, 7, 6, 4])[:rows]
+        kc = torch.randn(8, K, 300, d, generator=g).to(dtype)
+        vc = torch.randn(8, K, 300, d, generator=g).to(dtype)
+        q = torch.randn(rows, H, 8, d, generator=g).to(dtype)[:, :, 3]  # strided like the model's q
+        got = decode_attention_triton(q, kc, vc, slots, lengths, window).float()
+        want = decode_attention_torch(q.float(), kc.float(), vc.float(), slots, lengths, window)
+        # fp32: only the summation order differs; bf16: the output is rounded to bf16.
+        atol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"{H} {K} {d} {dtype} {window} {rows}")
+
+
+def check_engine(path: str) -> None:
+    """Greedy and sampled generation with the Triton kernel equal the torch path's."""
+    from gen_helpers import local_model, prompts
+    from shardflow.engine.generate import Engine, EngineConfig
+    from shardflow.engine.requests import SamplingParams, make_requests
+
+    model = local_model(path)
+    outputs = {}
+    for attention in ("torch", "triton"):
+        engine = Engine(model, EngineConfig(max_seq_len=48, attention=attention), eos_token_ids=())
+        requests = make_requests(prompts()[2:], [SamplingParams(max_new_tokens=3, temperature=t, seed=1)
+                                                 for t in (0.0, 1.0)])
+        engine.generate(requests)
+        outputs[attention] = requests
+    for a, b in zip(outputs["torch"], outputs["triton"]):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-5, rtol=0)
+
+
+def test_triton_kernel_matches_torch_in_the_interpreter(checkpoints):
+    path = checkpoints.get("mistral_window", "mistral")  # a sliding window in decode too
+    code = (f"import test_decode_attention as t; t.check_kernel(); t.check_engine({path!r}); print('checked')")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-4000:]
+
+
+def test_torch_path_masks_past_the_length_and_outside_the_window():
+    g = torch.Generator().manual_seed(1)
+    kc, vc = torch.randn(3, 2, 20, 8, generator=g), torch.randn(3, 2, 20, 8, generator=g)
+    q = torch.randn(2, 4, 8, generator=g)
+    slots, lengths = torch.tensor([2, 0]), torch.tensor([7, 20])
+    for window in (None, 5):
+        got = decode_attention_torch(q, kc, vc, slots, lengths, window)
+        for b in range(2):
+            lo = 0 if window is None else max(0, int(lengths[b]) - window)
+            k = kc[slots[b], :, lo: lengths[b]].repeat_interleave(2, 0)  # [H, n, d]
+            v = vc[slots[b], :, lo: lengths[b]].repeat_interleave(2, 0)
+            w = torch.softmax((q[b, :, None] @ k.transpose(1, 2)) / 8 ** 0.5, -1)  # [H, 1, n]
+            torch.testing.assert_close(got[b], (w @ v)[:, 0], atol=1e-6, rtol=0)

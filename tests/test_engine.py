@@ -1,0 +1,167 @@
+"""The engine loop on one rank: how requests end, KV slots, waiting, recompute, and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gen_helpers import hf_greedy, hf_logprobs, local_model, prompts
+from shardflow.engine.generate import Engine, EngineConfig
+from shardflow.engine.kv_cache import KVCache, bytes_per_slot
+from shardflow.engine.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
+from shardflow.models.config import ModelConfig
+from shardflow.models.transformer import build_model
+from shardflow.parallel.layout import Layout
+from shardflow.parallel.sharding import shard_for
+
+GREEDY = dict(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoints):
+    path = checkpoints.get("llama", "llama")
+    return path, local_model(path)
+
+
+def run(model, prompt_ids, *, config=EngineConfig(max_seq_len=64), eos=(2,), **params):
+    engine = Engine(model, config, eos_token_ids=eos)
+    requests = make_requests(prompt_ids, SamplingParams(**params))
+    engine.generate(requests)
+    return requests, engine
+
+
+def test_requests_end_on_stop_tokens_eos_length_and_context(llama):
+    path, model = llama
+    prompt = prompts()[1]
+    expected = hf_greedy(path, prompt, 12, eos=None)
+    assert len(set(expected[:4])) == 4  # distinct early tokens make the cases below unambiguous
+
+    [r], _ = run(model, [prompt], max_new_tokens=12, stop_token_ids=(expected[3],), **GREEDY)
+    assert r.output_ids == expected[:4] and r.finish_reason == "stop"
+
+    [r], _ = run(model, [prompt], eos=(expected[2],), max_new_tokens=12, **GREEDY)  # EOS stops...
+    assert r.output_ids == expected[:3] and r.finish_reason == "stop"
+    [r], _ = run(model, [prompt], eos=(expected[2],), max_new_tokens=12, ignore_eos=True, **GREEDY)  # ...unless ignored
+    assert r.output_ids == expected and r.finish_reason == "length"
+
+    [r], _ = run(model, [prompt], max_new_tokens=1, **GREEDY)  # ends right after prefill
+    assert r.output_ids == expected[:1] and r.finish_reason == "length"
+
+    context = EngineConfig(max_seq_len=len(prompt) + 4)
+    [r], _ = run(model, [prompt], config=context, max_new_tokens=12, eos=(), **GREEDY)
+    assert r.output_ids == expected[:4] and r.finish_reason == "context"
+    with pytest.raises(ValueError, match="leave no room"):
+        run(model, [prompt + [5] * 4], config=context, max_new_tokens=12)
+
+
+def test_requests_wait_for_slots_and_the_batch_shrinks_as_they_finish(llama):
+    path, model = llama
+    ids = prompts(lengths=(5, 9, 13, 7, 11))
+    lengths = [3, 9, 5, 7, 4]
+    max_len = 63
+    budget = 3 * bytes_per_slot(model.shard, model.cfg, max_len, torch.float32)  # two slots + scratch
+    engine = Engine(model, EngineConfig(max_seq_len=64, kv_cache_bytes=budget), eos_token_ids=())
+    assert engine.cache.num_slots == 2
+    requests = [Request(request_id=i, group=i, prompt_ids=p, params=SamplingParams(max_new_tokens=n, **GREEDY),
+                        seed=0) for i, (p, n) in enumerate(zip(ids, lengths))]
+    engine.generate(requests)
+    for r, p, n in zip(requests, ids, lengths):
+        assert r.output_ids == hf_greedy(path, p, n, eos=None) and r.slot is None
+    batches = [b for b, _ in engine.stats.decode_steps]
+    assert max(batches) == 2 and 1 in batches
+    assert engine.cache.num_free == 2
+    assert len(engine.stats.decode_steps) == sum(lengths) - len(lengths) - batches.count(2)
+
+
+def test_a_moved_request_recomputes_its_cache_and_continues(llama):
+    """A request arriving with generated tokens (as adaptive TP hands them over) is prefilled with
+    prompt + output[:-1] and continues exactly where it was."""
+    path, model = llama
+    prompt = prompts()[2]
+    expected = hf_greedy(path, prompt, 10, eos=None)
+    lp = hf_logprobs(path, prompt, expected)
+    moved = Request(request_id=0, group=0, prompt_ids=prompt, params=SamplingParams(max_new_tokens=10, **GREEDY),
+                    seed=0, output_ids=expected[:4], output_logprobs=lp[:4].tolist())
+    fresh = Request(request_id=1, group=0, prompt_ids=prompt, params=SamplingParams(max_new_tokens=10, **GREEDY),
+                    seed=0)
+    Engine(model, EngineConfig(max_seq_len=64), eos_token_ids=()).generate([moved, fresh])
+    for r in (moved, fresh):
+        assert r.output_ids == expected
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), lp, atol=1e-4, rtol=0)
+
+
+def test_evicted_requests_continue_in_another_engine(llama):
+    """Mid-decode, requests leave one engine with their state and finish in another (the
+    recompute path of adaptive TP): the tokens are those of an uninterrupted run."""
+    path, model = llama
+    ids = prompts()[:3]
+    params = [SamplingParams(max_new_tokens=9, **GREEDY), SamplingParams(max_new_tokens=9, temperature=1.0, seed=4)]
+    reference = make_requests(ids, params + params[:1], 2)
+    Engine(model, EngineConfig(max_seq_len=64), eos_token_ids=()).generate(reference)
+
+    first = Engine(model, EngineConfig(max_seq_len=64, max_batch_size=4), eos_token_ids=())
+    requests = make_requests(ids, params + params[:1], 2)
+    first.submit(requests)
+    for _ in range(4):
+        first.step()
+    moved = first.evict()
+    assert sorted(r.request_id for r in moved) == list(range(6)) and not first.busy
+    assert first.cache.num_free == 4 and any(r.output_ids for r in moved) and any(not r.output_ids for r in moved)
+    Engine(model, EngineConfig(max_seq_len=64), eos_token_ids=()).generate(moved)
+    for r, ref in zip(requests, reference):
+        assert r.output_ids == ref.output_ids and r.finish_reason == ref.finish_reason
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), torch.tensor(ref.output_logprobs), atol=1e-4,
+                                   rtol=0)
+
+    batch = to_sequence_batch(requests)
+    r = requests[3]
+    rows = slice(int(batch.offsets[3]), int(batch.offsets[4]))
+    assert batch.token_fields["input_ids"][rows].tolist() == r.prompt_ids + r.output_ids
+    assert batch.seq_fields["prompt_lengths"][3] == len(r.prompt_ids)
+    assert batch.token_fields["loss_mask"][rows].sum() == len(r.output_ids)
+    assert batch.token_fields["logprobs"][rows][len(r.prompt_ids):].tolist() == r.output_logprobs
+    assert batch.meta["finish_reason"][3] == "length"
+
+
+def test_kv_cache_budget_slots_and_prefix_copy():
+    from shardflow.models.tiny import tiny_hf_config
+
+    cfg = ModelConfig.from_hf_dict(tiny_hf_config("llama").to_dict())
+    shard = shard_for(cfg, Layout((0, 1, 2, 3), tp=4), 1)  # tp=4 over 2 KV heads: one head per rank
+    per_slot = bytes_per_slot(shard, cfg, 32, torch.float32)
+    assert per_slot == 2 * 4 * 1 * 32 * 16 * 4
+    cache = KVCache.for_model(cfg, shard, budget_bytes=5 * per_slot + 7, max_len=32, max_slots=100,
+                              dtype=torch.float32, device="cpu")
+    assert cache.num_slots == 4 and cache.k[0].shape == (5, 1, 32, 16)
+    assert KVCache.for_model(cfg, shard, budget_bytes=10**9, max_len=32, max_slots=3, dtype=torch.float32,
+                             device="cpu").num_slots == 3
+    with pytest.raises(ValueError, match="holds no sequence"):
+        KVCache.for_model(cfg, shard, budget_bytes=per_slot, max_len=32, max_slots=4, dtype=torch.float32,
+                          device="cpu")
+    assert cache.allocate(2) == [0, 1]
+    cache.release(0)
+    assert cache.allocate(3) == [0, 2, 3]
+    for layer in cache.k:
+        cache.k[layer][1].normal_()
+    cache.copy_prefix(1, [0, 3], 10)
+    assert torch.equal(cache.k[2][0, :, :10], cache.k[2][1, :, :10]) and torch.equal(cache.k[2][3], cache.k[2][0])
+    assert cache.k[2][0, :, 10:].abs().sum() == 0
+
+
+def test_refusals(llama, checkpoints):
+    _, model = llama
+    cfg = model.cfg
+    stage = build_model(cfg, shard_for(cfg, Layout((0, 1), pp=2), 0), None, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="pipeline parallelism is not supported"):
+        Engine(stage)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        Engine(model, EngineConfig(max_seq_len=cfg.max_position_embeddings + 1))
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        Engine(model, EngineConfig(cuda_graphs=True))
+    with pytest.raises(ValueError, match="attention must be one of"):
+        EngineConfig(attention="flash")
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        make_requests([[3], []], SamplingParams())
+    assert derive_seed(5, 1, 2) == derive_seed(5, 1, 2) != derive_seed(5, 2, 1)

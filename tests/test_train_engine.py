@@ -1,0 +1,173 @@
+"""Training steps under (pp, dp, tp) layouts against one process running transformers and
+torch.optim.AdamW; gradient checkpointing; resume from optimizer state."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from shardflow.engine.optimizer import OptimConfig
+from shardflow.engine.train import TrainEngine
+from shardflow.models.checkpoint import load_model
+from shardflow.models.config import ModelConfig
+from shardflow.parallel import comm
+from shardflow.parallel.layout import Layout
+
+from train_reference import TokenLoss, ValueLoss, assemble, make_batch, reference_step, replica_share
+
+# eps is large on purpose: Adam's first update is lr * g / (|g| + eps). With a tiny eps that is
+# lr * sign(g), blind to the gradient's size (a sync that doubled a gradient would pass), and
+# elements with |g| near eps would amplify float32 rounding by lr / eps. With eps above most
+# gradient elements (~1e-4..1e-2 here) the update follows g, and rounding is not amplified.
+OPTIM = OptimConfig(lr=1e-2, eps=1e-2, weight_decay=0.1, max_grad_norm=0.5, schedule="cosine",
+                    warmup_steps=2, total_steps=10)
+BUDGET = 64  # padded tokens per micro-batch: several micro-batches per replica
+BUCKET = 20_000  # small dp buckets, so that a step reduces several of them
+
+CASES = {
+    # 4 heads, 2 KV heads: tp=4 replicates KV heads; pp=4 puts one layer on each stage.
+    "llama": (dict(family="llama"), ["d1p1t1@0", "d1p2t1@0-1", "d2p1t1@0-1", "d1p1t2@0-1", "d1p1t4@0-3",
+                                     "d2p2t2@0-7", "d1p4t2@0-7", "d1p2t2@0-3+gc"]),
+    # q/k norms (partial gradients over tp) and a tied embedding split over pipeline stages.
+    "qwen3_qknorm": (dict(family="qwen3", tie_word_embeddings=True), ["d1p2t2@0-3", "d2p2t1@0-3", "d1p1t4@0-3"]),
+    # q/k/v biases (replicated KV heads' biases are partial too) and a vocabulary padded for tp=4.
+    "qwen2_bias": (dict(family="qwen2", vocab_size=130), ["d1p1t4@0-3", "d2p2t2@0-7"]),
+    "llama_value": (dict(family="llama", value_head=True), ["d1p2t2@0-3", "d2p1t1@0-1"]),
+}
+
+
+def train_job(world, path: str, runs: list[str], batch, value_head: bool):
+    """One step per run (a layout, ``+gc`` for gradient checkpointing) on the ranks of its layout."""
+    layouts = [Layout.parse(r.removesuffix("+gc")) for r in runs]
+    world.create_groups(layouts)
+    out = {}
+    for run, layout in zip(runs, layouts):
+        if world.rank not in layout:
+            continue
+        model, _ = load_model(path, layout, world)
+        engine = TrainEngine(model, layout, world, OPTIM, gradient_checkpointing=run.endswith("+gc"),
+                             bucket_numel=BUCKET)
+        loss = ValueLoss() if value_head else TokenLoss()
+        metrics = engine.step(replica_share(batch, layout, world.rank), loss, micro_batch_tokens=BUDGET)
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        grads = {n: g.clone() for n, g in engine.grads.views.items()}  # after clipping
+        out[run] = (weights, grads, metrics)
+    return out
+
+
+# float32 everywhere. Layouts change summation orders (tp splits of matrix products, micro-batch
+# and dp sums of gradients), which moves gradients by a few float32 ulps of the largest partial
+# sums (|g| <= ~0.05 here): 1e-7 absolute. An update lr * g / (|g| + eps) changes by at most
+# lr / eps = 1 times that, on weights of size ~0.3.
+GRAD_ATOL = 1e-7
+WEIGHT_ATOL = 2e-7
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_train_step_matches_single_process(pool, checkpoints, case):
+    kwargs, runs = CASES[case]
+    kwargs = dict(kwargs)
+    path = checkpoints.get(case, kwargs.pop("family"), **kwargs)
+    cfg = ModelConfig.from_pretrained(path)
+    batch = make_batch(cfg.vocab_size)
+    loss = ValueLoss() if cfg.value_head else TokenLoss()
+    ref_weights, ref_grads, ref_metrics = reference_step(path, batch, loss, OPTIM, cfg.value_head)
+    assert ref_metrics["grad_norm"] > OPTIM.max_grad_norm  # clipping is exercised
+
+    results = pool.run(train_job, path, runs, batch, cfg.value_head)
+    for run in runs:
+        layout = Layout.parse(run.removesuffix("+gc"))
+        weights = assemble(cfg, layout, {r: res[run][0] for r, res in enumerate(results) if run in res})
+        grads = assemble(cfg, layout, {r: res[run][1] for r, res in enumerate(results) if run in res})
+        assert sorted(weights) == sorted(ref_weights)
+        for name in ref_weights:
+            torch.testing.assert_close(grads[name], ref_grads[name], atol=GRAD_ATOL, rtol=0, msg=f"{run} grad {name}")
+            torch.testing.assert_close(weights[name], ref_weights[name], atol=WEIGHT_ATOL, rtol=0,
+                                       msg=f"{run} weight {name}")
+        for rank, res in enumerate(results):
+            if run not in res:
+                continue
+            metrics = res[run][2]
+            assert metrics["lr"] == pytest.approx(OPTIM.lr / 2) and metrics["skipped"] == 0.0
+            assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-6)
+            if layout.coord(rank).pp == layout.pp - 1:
+                assert metrics["loss"] == pytest.approx(ref_metrics["loss"], rel=1e-6, abs=1e-7), run
+            else:
+                assert "loss" not in metrics
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(pool, checkpoints):
+    path = checkpoints.get("llama", "llama")
+    batch = make_batch(128)
+    runs = ["d1p2t2@0-3", "d1p2t2@0-3+gc"]
+    results = pool.run(train_job, path, runs, batch, False)
+    for rank in range(4):
+        plain, recomputed = results[rank][runs[0]], results[rank][runs[1]]
+        for name, g in plain[1].items():
+            assert torch.equal(g, recomputed[1][name]), name  # the same operations, recomputed
+
+
+def resume_job(world, path: str, layout_text: str, batches):
+    """Engine A takes two steps. Engine B starts from the checkpoint, loads A's state after the
+    first step (through torch.save) and takes the second. Both must end bit for bit equal."""
+    layout = Layout.parse(layout_text)
+    world.create_groups([layout])
+    if world.rank not in layout:
+        return None
+    loss = TokenLoss()
+
+    def engine():
+        model, _ = load_model(path, layout, world)
+        return model, TrainEngine(model, layout, world, OPTIM, bucket_numel=BUCKET)
+
+    model_a, a = engine()
+    a.step(replica_share(batches[0], layout, world.rank), loss, micro_batch_tokens=BUDGET)
+    saved = io.BytesIO()
+    torch.save(a.state_dict(), saved)
+    metrics_a = a.step(replica_share(batches[1], layout, world.rank), loss, micro_batch_tokens=BUDGET)
+
+    model_b, b = engine()
+    saved.seek(0)
+    state = torch.load(saved, weights_only=True)
+    with pytest.raises(ValueError, match="resuming needs the layout the state was saved under"):
+        b.load_state_dict({**state, "layout": "d1p1t1@0"})
+    b.load_state_dict(state)
+    metrics_b = b.step(replica_share(batches[1], layout, world.rank), loss, micro_batch_tokens=BUDGET)
+    same = all(torch.equal(p, q) for p, q in zip(model_a.parameters(), model_b.parameters()))
+    same &= all(torch.equal(x, y) for x, y in zip(
+        (a.optimizer.master, a.optimizer.exp_avg, a.optimizer.exp_avg_sq),
+        (b.optimizer.master, b.optimizer.exp_avg, b.optimizer.exp_avg_sq)))
+    return same, metrics_a, metrics_b, a.step_count, b.step_count
+
+
+def test_resume_from_optimizer_state_is_identical(pool, checkpoints):
+    path = checkpoints.get("llama", "llama")
+    batches = [make_batch(128, seed=1), make_batch(128, seed=2)]
+    results = [r for r in pool.run(resume_job, path, "d2p2t1@0-3", batches) if r is not None]
+    assert len(results) == 4
+    for same, metrics_a, metrics_b, steps_a, steps_b in results:
+        assert same and metrics_a == metrics_b and steps_a == steps_b == 2
+        assert metrics_a["lr"] == pytest.approx(OPTIM.lr)  # second warmup step: full rate
+
+
+def count_job(world, path: str, layout_text: str, batch):
+    layout = Layout.parse(layout_text)
+    world.create_groups([layout])
+    if world.rank not in layout:
+        return None
+    model, shard = load_model(path, layout, world)
+    engine = TrainEngine(model, layout, world, OPTIM, bucket_numel=BUCKET)
+    with comm.count_collectives() as counts:
+        metrics = engine.step(replica_share(batch, layout, world.rank), TokenLoss(), micro_batch_tokens=BUDGET)
+    return dict(counts), len(engine.grads.buckets), int(metrics["num_micro_batches"]), shard.last_stage
+
+
+def test_collectives_of_a_step(pool, checkpoints):
+    """pp=2 x dp=2 (no tp): per micro-batch one activation and one gradient cross the stage
+    boundary; all-reduces: normalizer, each gradient bucket, stats (last stage), norm."""
+    results = pool.run(count_job, checkpoints.get("llama", "llama"), "d2p2t1@0-3", make_batch(128))
+    for counts, buckets, micro, last in filter(None, results):
+        assert buckets > 1 and micro > 1
+        assert counts == {"all_reduce": 1 + buckets + int(last) + 1, "isend": micro, "irecv": micro}

@@ -1,0 +1,160 @@
+"""Pieces of the training engine on one process: micro-batch splitting, learning-rate schedules,
+AdamW against torch.optim.AdamW, the entropy gradient, and float32 master weights of a bf16 model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardflow.batch import SequenceBatch
+from shardflow.engine.micro_batches import split_by_tokens
+from shardflow.engine.optimizer import AdamW, OptimConfig, lr_at
+from shardflow.engine.train import TrainEngine
+from shardflow.models.checkpoint import load_model
+from shardflow.parallel.layout import Layout
+from shardflow.parallel.tensor_parallel import vocab_parallel_entropy
+from shardflow.parallel.world import World
+
+from train_reference import TokenLoss, make_batch
+
+# ----- micro-batches -------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 50), max_size=40), budget=st.integers(50, 400), least=st.integers(1, 6))
+def test_micro_batches_cover_every_sequence_once_within_budget(lengths, budget, least):
+    parts = split_by_tokens(lengths, budget, min_micro_batches=least)
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+    assert all(p and len(p) * max(lengths[i] for i in p) <= budget for p in parts)
+    assert len(parts) >= min(least, len(lengths))
+    assert parts == split_by_tokens(list(lengths), budget, min_micro_batches=least)  # deterministic
+    if least == 1:  # sorted, maximal runs: no two neighbours could merge within the budget
+        for a, b in zip(parts, parts[1:]):
+            assert (len(a) + len(b)) * max(lengths[i] for i in a + b) > budget
+
+
+def test_micro_batches_sort_by_length_for_tight_padding():
+    assert split_by_tokens([5, 9, 3, 9, 2, 7], 20) == [[1, 3], [5, 0], [2, 4]]
+    assert split_by_tokens(torch.tensor([4, 4, 4]), 8, min_micro_batches=3) == [[0], [1], [2]]
+
+
+def test_micro_batch_budget_below_a_sequence_is_named():
+    with pytest.raises(ValueError, match="sequence 1 has 30 tokens, more than the micro-batch budget of 20"):
+        split_by_tokens([10, 30], 20)
+
+
+# ----- learning-rate schedules -----------------------------------------------------------------
+
+
+def test_lr_schedules_match_hand_computed_values():
+    const = OptimConfig(lr=1.0, warmup_steps=4)
+    assert [lr_at(const, s) for s in (1, 2, 4, 5, 100)] == [0.25, 0.5, 1.0, 1.0, 1.0]
+    lin = OptimConfig(lr=2.0, schedule="linear", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+    # after warmup: 2 * (0.1 + 0.9 * (1 - (s - 2) / 4))
+    assert [lr_at(lin, s) for s in range(1, 9)] == pytest.approx([1.0, 2.0, 1.55, 1.1, 0.65, 0.2, 0.2, 0.2])
+    cos = OptimConfig(lr=1.0, schedule="cosine", total_steps=4)
+    # 0.5 * (1 + cos(pi * s / 4))
+    assert [lr_at(cos, s) for s in range(1, 5)] == pytest.approx(
+        [0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4)), 0.0])
+
+
+def test_bad_optimizer_settings_are_named():
+    with pytest.raises(ValueError, match="lr schedule 'cosine' needs total_steps greater than warmup_steps"):
+        OptimConfig(schedule="cosine", warmup_steps=10, total_steps=5)
+    with pytest.raises(ValueError, match="unknown lr schedule 'step'"):
+        OptimConfig(schedule="step")
+    with pytest.raises(ValueError, match="optimizer lr must be positive, got 0"):
+        OptimConfig(lr=0)
+
+
+# ----- AdamW -----------------------------------------------------------------------------------
+
+
+def test_flat_adamw_matches_torch_adamw():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 5, generator=g), torch.randn(7, generator=g)
+    cfg = OptimConfig(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.3)
+    master = torch.cat([a.flatten(), b])
+    ours = AdamW(master, [master[:30]], cfg)  # decay on the matrix only
+    pa, pb = torch.nn.Parameter(a.clone()), torch.nn.Parameter(b.clone())
+    theirs = torch.optim.AdamW([{"params": [pa], "weight_decay": 0.3}, {"params": [pb], "weight_decay": 0.0}],
+                               lr=1e-2, betas=(0.8, 0.95), eps=1e-6, foreach=False)
+    for step in range(1, 5):
+        ga, gb = torch.randn(6, 5, generator=g), torch.randn(7, generator=g)
+        ours.step(torch.cat([ga.flatten(), gb]), 1e-2, step)
+        pa.grad, pb.grad = ga, gb
+        theirs.step()
+    # the same float32 operations in the same order
+    torch.testing.assert_close(master, torch.cat([pa.detach().flatten(), pb.detach()]), atol=0, rtol=0)
+
+
+# ----- entropy gradient ----------------------------------------------------------------------
+
+
+def test_entropy_gradient_matches_autograd():
+    logits = 3 * torch.randn(3, 5, 11)
+    logits[..., -2:] = float("-inf")  # vocabulary padding
+    weights = torch.randn(3, 5)
+    x1 = logits.clone().requires_grad_()
+    (vocab_parallel_entropy(x1, None) * weights).sum().backward()
+    x2 = logits[..., :-2].double().requires_grad_()  # float64 reference
+    logp = torch.log_softmax(x2, -1)
+    (-(logp.exp() * logp).sum(-1) * weights.double()).sum().backward()
+    # the engine works in float32: rounding of terms of size ~1-10
+    torch.testing.assert_close(x1.grad[..., :-2], x2.grad.float(), atol=2e-6, rtol=0)
+    assert not x1.grad[..., -2:].any()
+
+
+# ----- bf16 model, float32 master weights ------------------------------------------------------
+
+
+def test_bf16_model_keeps_float32_master_weights(checkpoints):
+    """Adam's first update is lr * g / (|g| + eps) (moments equal g and g^2 after bias
+    correction). With lr far below bf16 resolution the bf16 weights barely move, while the
+    float32 master weights take exactly that update."""
+    path = checkpoints.get("llama", "llama")
+    world = World(rank=0, size=1, device=torch.device("cpu"), backend="gloo")  # one rank: no groups
+    layout = Layout((0,))
+    model, _ = load_model(path, layout, world, dtype=torch.bfloat16)
+    before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    cfg = OptimConfig(lr=1e-5, eps=1e-6, max_grad_norm=None)
+    engine = TrainEngine(model, layout, world, cfg)
+    metrics = engine.step(make_batch(128), TokenLoss(), micro_batch_tokens=100)
+    assert math.isfinite(metrics["loss"]) and metrics["skipped"] == 0.0
+    assert engine.optimizer.master.dtype == torch.float32
+    unchanged = total = 0
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16
+        master = engine._master_views[engine.grads.names.index(name)]
+        assert torch.equal(p.detach(), master.to(torch.bfloat16)), name
+        grad = engine.grads.views[name]
+        expected = before[name] - cfg.lr * grad / (grad.abs() + cfg.eps)
+        # float32 rounding of master weights of size <= ~0.5: 3e-8
+        torch.testing.assert_close(master, expected, atol=3e-8, rtol=0, msg=name)
+        unchanged += int((p.detach().float() == before[name]).sum())
+        total += p.numel()
+    assert unchanged > 0.9 * total  # bf16 alone would have lost nearly every update
+
+
+def test_bad_step_input_is_named(checkpoints):
+    world = World(rank=0, size=1, device=torch.device("cpu"), backend="gloo")
+    layout = Layout((0,))
+    model, _ = load_model(checkpoints.get("llama", "llama"), layout, world)
+    with pytest.raises(ValueError, match="built for rank 0 of d1p1t1@0, not rank 0 of d1p1t1@1"):
+        TrainEngine(model, Layout((1,)), world, OptimConfig())
+    engine = TrainEngine(model, layout, world, OptimConfig())
+    batch = make_batch(128)
+    with pytest.raises(ValueError, match="empty batch"):
+        engine.step(batch.select([]), TokenLoss(), micro_batch_tokens=64)
+    with pytest.raises(ValueError, match="lacks token field 'input_ids'"):
+        engine.step(SequenceBatch(batch.sample_ids, batch.lengths), TokenLoss(), micro_batch_tokens=64)
+    with pytest.raises(ValueError, match="more than the micro-batch budget of 8 tokens"):
+        engine.step(batch, TokenLoss(), micro_batch_tokens=8)
+    no_response = batch.update({"loss_mask": torch.zeros(batch.num_tokens)})
+    with pytest.raises(ValueError, match="loss normalizer summed over replicas is 0.0"):
+        engine.step(no_response, TokenLoss(), micro_batch_tokens=64)
+    assert engine.step_count == 0
