@@ -205,7 +205,7 @@ def test_reallocation_time_by_brute_force():
     cfg = tiny("llama", num_key_value_heads=4)
     cluster = Cluster(num_nodes=2, gpus_per_node=4)
     pairs = [("d2p1t2@0-3", "d1p2t4@0-7"), ("d1p2t2@2-5", "d2p2t1@0-3"), ("d4p2t1@0-7", "d1p1t4@4-7"),
-             ("d1p4t1@0-3", "d2p1t2@4-7")]
+             ("d1p4t1@0-3", "d2p1t2@4-7"), ("d1p1t4@0-3", "d2p1t2@0,2,1,3"), ("d2p1t2@4,6,5,7", "d1p2t2@2-5")]
     for src_text, dst_text in pairs:
         src, dst = Layout.parse(src_text), Layout.parse(dst_text)
         worst = 0.0

@@ -69,6 +69,15 @@ def test_a_reallocation_waits_for_busy_source_devices():
     assert r.iteration_ends == (13,)
 
 
+def test_device_order_does_not_matter():
+    # interleaved layouts list their ranks out of order; the devices are the same
+    calls = [SimCall(name="a", devices=(0, 2, 1, 3), seconds=2, model="m"),
+             SimCall(name="b", devices=(3, 5), seconds=1, model="n", realloc_seconds=1, realloc_devices=(1, 0))]
+    r = simulate(calls, 6, iterations=1, events=True)
+    assert [(e.call, e.phase, e.devices, e.start, e.end) for e in r.events] == [
+        ("a", "compute", (0, 2, 1, 3), 0, 2), ("b", "realloc", (0, 1, 3, 5), 2, 3), ("b", "compute", (3, 5), 3, 4)]
+
+
 def test_calls_without_devices_pass_their_inputs_through():
     calls = [
         SimCall(name="gen", devices=(0,), seconds=3, model="actor"),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardflow.config import load_config
+from shardflow.parallel.layout import format_ranks
 from shardflow.plan.baselines import heuristic, symmetric
 from shardflow.plan.estimate import Estimate, to_execution_plan
 from shardflow.plan.hardware import Cluster
@@ -80,7 +81,7 @@ def format_table(problem: Problem, result: SearchResult, baselines: dict) -> lis
     rows = [("call", "kind", "devices", "layout", "micro-batches", "realloc s", "data s", "call s")]
     for call, choice in zip(problem.calls, result.plan):
         layout = choice.layout
-        devices = f"{layout.ranks[0]}-{layout.ranks[-1]}" if layout.size > 1 else str(layout.ranks[0])
+        devices = format_ranks(tuple(sorted(layout.ranks)))
         rows.append((call.name, call.kind.value, devices, layout.shape, str(choice.micro_batches or "-"),
                      f"{est.realloc_s.get(call.name, 0.0):.3f}", f"{est.data_s.get(call.name, 0.0):.3f}",
                      f"{est.call_s[call.name]:.2f}"))

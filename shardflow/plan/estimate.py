@@ -43,15 +43,16 @@ class Estimate:
     sim: SimResult | None = None
 
 
-def _index(layout):
-    r = layout.ranks
-    return slice(r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else np.asarray(r)
+def _index(layout: Layout):
+    """The layout's devices as a numpy index (a slice when they form a block)."""
+    lo, hi = min(layout.ranks), max(layout.ranks)
+    return slice(lo, hi + 1) if hi - lo + 1 == layout.size else np.asarray(layout.ranks)
 
 
-def _where(layout) -> str:
+def _where(layout: Layout) -> str:
     """A layout's shape and rank span, cheap to format for a thousand ranks."""
-    r = layout.ranks
-    return f"{layout.shape}@{r[0]}-{r[-1]}" if len(r) > 1 else f"{layout.shape}@{r[0]}"
+    lo, hi = min(layout.ranks), max(layout.ranks)
+    return f"{layout.shape}@{lo}-{hi}" if hi > lo else f"{layout.shape}@{lo}"
 
 
 def _fail(call: str, reason: str) -> Estimate:
@@ -117,8 +118,8 @@ def estimate(problem: Problem, plan: Plan, *, events: bool = False) -> Estimate:
         raise ValueError(f"a plan needs {len(problem.calls)} choices, got {len(plan)}")
     p, n = problem.precision, problem.cluster.num_devices
     for call, choice in zip(problem.calls, plan):
-        if choice.layout.ranks[-1] >= n:
-            return _fail(call.name, f" uses device {choice.layout.ranks[-1]} but only {n} exist")
+        if max(choice.layout.ranks) >= n:
+            return _fail(call.name, f" uses device {max(choice.layout.ranks)} but only {n} exist")
     home = {m: plan[problem.index[problem.home_call(m).name]].layout for m in problem.graph.models()}
 
     resident = np.zeros(n)  # bytes that stay on each device between calls

@@ -90,14 +90,15 @@ class Cluster:
         return rank // self.gpus_per_node
 
     def one_node(self, ranks: tuple[int, ...] | range) -> bool:
-        return self.node_of(ranks[0]) == self.node_of(ranks[-1]) if len(ranks) else True
+        """Whether the ranks (in any order) share a node."""
+        return self.node_of(min(ranks)) == self.node_of(max(ranks)) if len(ranks) else True
 
     def bus_bandwidth(self, ranks: tuple[int, ...] | range) -> float:
         """Collective bus bandwidth of a group: NVLink inside one node, the NICs across nodes."""
-        return self.intra_node_bandwidth if self.one_node(sorted(ranks)) else self.inter_node_bandwidth
+        return self.intra_node_bandwidth if self.one_node(ranks) else self.inter_node_bandwidth
 
     def latency(self, ranks: tuple[int, ...] | range) -> float:
-        return self.intra_node_latency if self.one_node(sorted(ranks)) else self.inter_node_latency
+        return self.intra_node_latency if self.one_node(ranks) else self.inter_node_latency
 
     def describe(self) -> str:
         return (f"{self.num_nodes} node(s) x {self.gpus_per_node} GPUs, {self.memory_bytes / GB:.0f} GB each, "

@@ -74,7 +74,7 @@ def propose(space: Space, plan: Plan, rng: random.Random) -> Plan:
     calls = space.problem.calls
     i = rng.randrange(len(calls))
     call, current = calls[i], plan[i]
-    start, size = current.layout.ranks[0], current.layout.size
+    start, size = min(current.layout.ranks), current.layout.size
     move = rng.random()
     if move < 0.15:  # other devices anywhere, keeping tp and pp where they fit
         start, size = space.random_set(call, rng)
@@ -84,7 +84,7 @@ def propose(space: Space, plan: Plan, rng: random.Random) -> Plan:
         choice = space.random_on(call, start, size, rng, keep=current)
     elif move < 0.45 and len(calls) > 1:  # share another call's devices
         other = plan[rng.choice([j for j in range(len(calls)) if j != i])].layout
-        choice = space.random_on(call, other.ranks[0], other.size, rng, keep=current)
+        choice = space.random_on(call, min(other.ranks), other.size, rng, keep=current)
     elif move < 0.85:  # another layout on the same devices
         choice = space.random_on(call, start, size, rng)
     else:  # another micro-batch count

@@ -60,24 +60,26 @@ class SimResult:
         return self.iteration_ends[-1]
 
 
-def _contiguous(devices: tuple[int, ...]) -> bool:
-    return devices[-1] - devices[0] + 1 == len(devices)
+def _block(devices: tuple[int, ...]) -> tuple[int, int] | None:
+    """(first, last) when the ranks, in any order, are exactly a block of consecutive ranks."""
+    lo, hi = min(devices), max(devices)
+    return (lo, hi) if hi - lo + 1 == len(devices) and len(set(devices)) == len(devices) else None
 
 
 def _index(devices: tuple[int, ...]):
-    """A numpy index for the ranks: a slice when they are contiguous (the usual case)."""
+    """A numpy index for the ranks: a slice when they form a block (the usual case)."""
     if not devices:
         return None
-    if _contiguous(devices):
-        return slice(devices[0], devices[-1] + 1)
-    return np.asarray(devices)
+    block = _block(devices)
+    return slice(block[0], block[1] + 1) if block else np.unique(devices)
 
 
 def _union_index(a: tuple[int, ...], b: tuple[int, ...]):
     if not a or not b:
         return _index(a or b)
-    if _contiguous(a) and _contiguous(b) and a[0] <= b[-1] + 1 and b[0] <= a[-1] + 1:
-        return slice(min(a[0], b[0]), max(a[-1], b[-1]) + 1)  # overlapping or touching blocks
+    ba, bb = _block(a), _block(b)
+    if ba and bb and ba[0] <= bb[1] + 1 and bb[0] <= ba[1] + 1:
+        return slice(min(ba[0], bb[0]), max(ba[1], bb[1]) + 1)  # overlapping or touching blocks
     return np.union1d(a, b)
 
 

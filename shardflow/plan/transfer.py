@@ -91,7 +91,7 @@ def _coord_fn(layout: Layout):
 
 
 def _spans_nodes(cluster: Cluster, *layouts: Layout) -> bool:
-    return cluster.node_of(min(lay.ranks[0] for lay in layouts)) != cluster.node_of(max(lay.ranks[-1] for lay in layouts))
+    return not cluster.one_node((min(min(lay.ranks) for lay in layouts), max(max(lay.ranks) for lay in layouts)))
 
 
 @lru_cache(maxsize=65536)
@@ -121,15 +121,18 @@ def _realloc_seconds(cfg: ModelConfig, src: Layout, dst: Layout, cluster: Cluste
         on = s_ranks // g == node
         near[int(node)] = frozenset(zip(s_stage[on].tolist(), s_tp[on].tolist()))
     # Each destination rank's own source coordinate, if it holds the model in ``src`` too.
-    own_index = np.searchsorted(s_ranks, d_ranks).clip(max=len(s_ranks) - 1)
-    has_own = s_ranks[own_index] == d_ranks
+    order = np.argsort(s_ranks)
+    found = order[np.searchsorted(s_ranks[order], d_ranks).clip(max=len(s_ranks) - 1)]
+    has_own = s_ranks[found] == d_ranks
+    own_index = found
     own_stage = np.where(has_own, s_stage[own_index], -1)
     own_tp = np.where(has_own, s_tp[own_index], -1)
     # Destination ranks alike (coordinate, own source coordinate, node contents) need the same
     # transfers: cost each kind once.
     node_kind = {n: i for i, n in enumerate(sorted(set(near.values()), key=sorted))}
-    node_ids = np.array([node_kind.get(near.get(int(n)), -1) for n in range(d_ranks[0] // g, d_ranks[-1] // g + 1)])
-    near_id = node_ids[d_ranks // g - d_ranks[0] // g]
+    first, last = int(d_ranks.min()) // g, int(d_ranks.max()) // g
+    node_ids = np.array([node_kind.get(near.get(n), -1) for n in range(first, last + 1)])
+    near_id = node_ids[d_ranks // g - first]
     kinds = np.unique(np.stack([d_stage, d_tp, own_stage, own_tp, near_id], axis=1), axis=0)
     by_id = {i: nodeset for nodeset, i in node_kind.items()}
     worst = 0.0
