@@ -94,7 +94,7 @@ def test_inference_and_training_time_by_hand():
     mb = math.ceil(16 / (2 * 2)) * 500 / 2
     stage = cfg.num_layers * 3e-6 * mb + 1.5e-6 * mb
     params = mem.rank_params(cfg, 1, 1)
-    grads = cluster.intra_node_latency + params * 2 / cluster.intra_node_bandwidth  # 2 (n - 1) / n = 1
+    grads = cluster.intra_node_latency + params * 4 / cluster.intra_node_bandwidth  # fp32; 2 (n - 1) / n = 1
     expected = 2 * (2 * stage + grads + 1e-12 * params)
     assert costs.train(cfg, Layout.contiguous(dp=2), 2) == pytest.approx(expected)
 

@@ -2,8 +2,8 @@
 KV cache. Parameter counts come from the sharding spec, per pipeline stage (the stages holding
 the embedding or the LM head are the largest), and a layout is charged its largest rank.
 
-Training keeps bf16 weights and gradients plus fp32 master weights and AdamW moments
-(``Precision``); activations are the bf16 tensors backward needs, per token and layer, with
+Training keeps bf16 weights, fp32 gradients, fp32 master weights and AdamW moments, as the
+training engine does (``Precision``); activations are the bf16 tensors backward needs, per token and layer, with
 flash attention (no score matrix) and no sequence parallelism.
 """
 
@@ -33,7 +33,7 @@ AnyLayout = Union[Layout, Shape]
 @dataclass(frozen=True, kw_only=True)
 class Precision:
     param_bytes: int = 2  # bf16 weights
-    grad_bytes: int = 2  # bf16 gradients
+    grad_bytes: int = 4  # gradients accumulate in a float32 buffer (and are all-reduced in it)
     optimizer_bytes: int = 12  # fp32 master weights, AdamW m and v
     activation_bytes: int = 2  # bf16 activations
     logits_bytes: int = 4  # fp32 logits and log-softmax

@@ -57,8 +57,9 @@ class Roofline:
     matmul_efficiency: float = 0.8  # layer GEMMs reach this fraction of the measured GEMM rate
     attention_efficiency: float = 0.5  # flash attention against the same rate
     dtype_bytes: int = 2  # bf16 weights and activations
-    # AdamW over fp32 master weights: read bf16 grad + fp32 master, m, v; write master, m, v, bf16 param.
-    optimizer_bytes_per_param: float = 2 + 3 * 4 + 3 * 4 + 2
+    # AdamW over fp32 master weights: read the fp32 gradient, master, m and v; write master, m, v
+    # and the bf16 parameter.
+    optimizer_bytes_per_param: float = 4 + 3 * 4 + 3 * 4 + 2
 
     # ----- decoder layer ---------------------------------------------------------------------
 
