@@ -80,13 +80,20 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.fused_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see fuse_projections
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn | None) -> torch.Tensor:
         B, T, _ = x.shape
         x = copy_to_tp(x, self.group)
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.fused_qkv is not None and not torch.is_grad_enabled():
+            q, k, v = F.linear(x, *self.fused_qkv).split(
+                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                 self.num_kv_heads * self.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, T, self.num_heads, self.head_dim)
+        k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B,T,1,d]
@@ -109,10 +116,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(H, inter, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(H, inter, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(inter, H, cfg.mlp_bias, group)
+        self.fused_gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.group)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused_gate_up is not None and not torch.is_grad_enabled():
+            gate, up = F.linear(x, *self.fused_gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -176,6 +188,23 @@ class Transformer(nn.Module):
         if self.shard.last_stage:
             h = self.model.norm(h)
         return h
+
+    @torch.no_grad()
+    def fuse_projections(self, enable: bool = True) -> None:
+        """Keep concatenated copies of the q/k/v and gate/up weights (``enable``) or drop them.
+
+        Decoding reads every weight once per token, so one matrix-vector product over the
+        concatenation beats three (or two) small ones. The copies are snapshots: refresh them after
+        the weights change. Forward passes that record gradients always use the separate weights.
+        """
+        def cat(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+            bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
+            return torch.cat([m.weight for m in linears]), bias
+
+        for layer in self.model.layers.values():
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.fused_qkv = cat(attn.q_proj, attn.k_proj, attn.v_proj) if enable else None
+            mlp.fused_gate_up = cat(mlp.gate_proj, mlp.up_proj) if enable else None
 
     # ----- heads (last stage) -----------------------------------------------------------
 
