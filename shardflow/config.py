@@ -48,6 +48,7 @@ class ModelSpec:
     path: str = _f("", "Hugging Face checkpoint directory")
     dtype: str = _f("auto", "compute dtype: auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (trained models)")
+    compile: bool = _f(True, "torch.compile the decoder layers for training and inference on GPUs")
     offload: bool = _f(False, "keep a frozen model's weights in CPU memory between its calls")
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "optimizer (trained models)"})
 
@@ -84,6 +85,7 @@ class GenerationConfig:
     stop_token_ids: list = _f([], "token ids that end a response besides the tokenizer's EOS")
     kv_cache_gb: float = _f(0.0, "KV cache budget per rank in GiB (0 = a default share of free memory)")
     force_length: bool = _f(False, "ignore EOS and stop tokens: every response gets max_new_tokens (benchmarks)")
+    compile: bool = _f(True, "torch.compile the decode step on GPUs (tp=1 layouts; sampling is compiled always)")
 
     def check(self, where: str) -> None:
         _positive(f"{where}.max_new_tokens", self.max_new_tokens)

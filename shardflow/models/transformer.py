@@ -11,6 +11,7 @@ V local vocabulary rows.
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -140,6 +141,13 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _layer_forward(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   attend: AttendFn | None) -> torch.Tensor:
+    """One layer's forward as a plain function of the layer, so that one compiled version serves
+    every layer (their parameters are inputs, not constants)."""
+    return layer(x, cos, sin, attend)
+
+
 class Transformer(nn.Module):
     """One rank's shard: the embedding (first stage), its stage's layers, and the final norm
     with the LM or value head (last stage)."""
@@ -149,6 +157,7 @@ class Transformer(nn.Module):
         self.cfg, self.shard, self.tp_group = cfg, shard, tp_group
         # Recompute each layer in backward instead of keeping its activations (set by training).
         self.gradient_checkpointing = False
+        self._compiled_layer = None  # see compile_layers
         self.model = nn.Module()
         if shard.first_stage:
             self.model.embed_tokens = VocabParallelEmbedding(shard.vocab_size, cfg.hidden_size,
@@ -179,15 +188,40 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions, h.dtype)
         recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for layer in self.model.layers.values():
+            # Compiled layers serve plain causal forwards (training, inference); generation passes
+            # its own ``attend`` and compiles its whole decode step instead.
+            run = self._compiled_layer if attend is None and self._compiled_layer is not None else _layer_forward
             if recompute:
                 # The decoder has no dropout, so the recomputation needs no saved RNG state. Under
                 # tp the recomputed forward repeats its two all-reduces inside backward.
-                h = checkpoint(layer, h, cos, sin, attend, use_reentrant=False, preserve_rng_state=False)
+                h = checkpoint(run, layer, h, cos, sin, attend, use_reentrant=False, preserve_rng_state=False)
             else:
-                h = layer(h, cos, sin, attend)
+                h = run(layer, h, cos, sin, attend)
         if self.shard.last_stage:
             h = self.model.norm(h)
         return h
+
+    def compile_layers(self) -> bool:
+        """Run plain forwards (and their backwards) of every decoder layer through one
+        ``torch.compile``d function, which fuses the norms, rotary embedding and activation into few
+        kernels. The compiled code is tried once on a small input first; if compilation fails the
+        model stays eager and this returns False."""
+        compiled = torch.compile(_layer_forward, dynamic=True)
+        layer = next(iter(self.model.layers.values()), None)
+        if layer is None:
+            return False
+        p = next(self.parameters())
+        x = torch.zeros(1, 4, self.cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
+        cos, sin = self.rope(torch.arange(4, device=p.device)[None], p.dtype)
+        try:
+            compiled(layer, x, cos, sin, None).sum().backward()
+        except Exception as e:  # noqa: BLE001 - any compiler failure: stay eager, say so
+            warnings.warn(f"torch.compile of the decoder layers failed, running eager: {type(e).__name__}: {e}")
+            return False
+        finally:
+            self.zero_grad(set_to_none=True)
+        self._compiled_layer = compiled
+        return True
 
     @torch.no_grad()
     def fuse_projections(self, enable: bool = True) -> None:

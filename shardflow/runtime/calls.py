@@ -80,7 +80,7 @@ def _holding_layout(graph: Graph, name: str, layout_of: dict[str, Layout]) -> La
     return layout_of[call.name]
 
 
-# ----- inputs -----------------------------------------------------------------------------------
+# ----- data movement ----------------------------------------------------------------------------
 
 
 def join(parts: list[SequenceBatch]) -> SequenceBatch:
@@ -98,27 +98,26 @@ def join(parts: list[SequenceBatch]) -> SequenceBatch:
     return SequenceBatch(first.sample_ids, first.lengths, tokens, seqs, meta)
 
 
-def gather_inputs(world: World, graph: Graph, call: Call, layout: Layout, held: dict[str, Held],
-                  fields: tuple[str, ...] | None = None) -> SequenceBatch | None:
-    """This rank's replica share of the call's inputs (None outside ``layout``).
+def consumers(graph: Graph, call: Call) -> list[Call]:
+    """Model calls reading an output of ``call`` (function calls read at the holders instead)."""
+    return [c for c in graph.model_calls() if set(c.inputs) & set(call.outputs)]
 
-    ``fields``: keep only these token fields (inference needs the ids alone)."""
-    by_layout: dict[Layout, list[str]] = {}
-    for key in call.inputs:
-        by_layout.setdefault(held[key].layout, []).append(key)
-    shares = []
-    for src, keys in by_layout.items():
+
+def push_outputs(world: World, graph: Graph, plan, call: Call, layout: Layout, out: SequenceBatch | None,
+                 inbox: dict[str, list[SequenceBatch]]) -> None:
+    """Send a call's outputs from its holders to the replicas of every call that reads them, right
+    after it ran: a consumer's ranks receive early and keep the data until their call, so the
+    producer's ranks never wait for the consumer's turn (calls on disjoint devices stay overlapped)."""
+    for consumer in consumers(graph, call):
         local = None
-        if is_holder(src, world.rank):
-            local = join([held[k].batch for k in keys])
-            if fields is not None:
-                local = SequenceBatch(local.sample_ids, local.lengths,
-                                      {k: v for k, v in local.token_fields.items() if k in fields},
-                                      local.seq_fields, local.meta)
-        shares.append(redistribute(world, local, src, layout))
-    if world.rank not in layout:
-        return None
-    return join(shares)
+        if is_holder(layout, world.rank):
+            local = out
+            if consumer.kind is Kind.INFERENCE:  # the ids are all an inference call needs
+                local = SequenceBatch(out.sample_ids, out.lengths,
+                                      {k: v for k, v in out.token_fields.items() if k in INFERENCE_FIELDS})
+        share = redistribute(world, local, layout, plan[consumer.name].layout)
+        if share is not None:
+            inbox[consumer.name].append(share)
 
 
 # ----- the calls --------------------------------------------------------------------------------
@@ -161,7 +160,7 @@ def run_reward_function(batch: SequenceBatch | None, tokenizer, fn, report: Call
 
 
 def run_inference(world: World, config: ExperimentConfig, call: Call, model: Transformer | None, layout: Layout,
-                  batch: SequenceBatch | None) -> SequenceBatch | None:
+                  batch: SequenceBatch | None, micro_batches: int | None = None) -> SequenceBatch | None:
     """Reference log-probs, critic values, or reward-model scores; outputs stay on the holders."""
     if model is None:
         return None
@@ -172,22 +171,34 @@ def run_inference(world: World, config: ExperimentConfig, call: Call, model: Tra
         pad = torch.zeros(len(batch), dtype=torch.long)
         ids = [torch.cat([t, p[None]]) for t, p in zip(split_tokens(batch, "input_ids"), pad)]
         padded = SequenceBatch.from_lists(batch.sample_ids.tolist(), {"input_ids": ids})
-        out = infer(model, layout, world, padded, "values", micro_batch_tokens=algo.micro_batch_tokens)
+        out = infer(model, layout, world, padded, "values",
+                    micro_batch_tokens=token_budget(padded, algo.micro_batch_tokens, micro_batches))
         if out is None or not is_holder(layout, world.rank):
             return None
         last = out.offsets[1:] - 1  # the appended position
         scores = out.token_fields["values"][last.to(out.token_fields["values"].device)].float().cpu()
         return SequenceBatch(batch.sample_ids, batch.lengths, {}, {"rewards": scores})
     what, key = ("values", "values") if call.model == "critic" else ("logprobs", "ref_logprobs")
-    out = infer(model, layout, world, batch, what, micro_batch_tokens=algo.micro_batch_tokens,
+    out = infer(model, layout, world, batch, what,
+                micro_batch_tokens=token_budget(batch, algo.micro_batch_tokens, micro_batches),
                 temperature=max(config.generation.temperature, 1e-6) if what == "logprobs" else 1.0)
     if out is None or not is_holder(layout, world.rank):
         return None
     return SequenceBatch(batch.sample_ids, batch.lengths, {key: out.token_fields[what].float().cpu()})
 
 
+def token_budget(batch: SequenceBatch, default: int, micro_batches: int | None) -> int:
+    """Padded tokens per micro-batch: the plan's micro-batch count when it gives one (about that
+    many micro-batches per replica), else the run's budget; never less than the longest sequence."""
+    longest = int(batch.lengths.max()) if len(batch) else 1
+    if micro_batches is not None:
+        return max(longest, -(-batch.num_tokens // micro_batches))
+    return max(longest, default)
+
+
 def run_train(world: World, config: ExperimentConfig, call: Call, engine, layout: Layout,
-              batch: SequenceBatch | None, kl_coef: float, report: CallReport) -> None:
+              batch: SequenceBatch | None, kl_coef: float, report: CallReport,
+              micro_batches: int | None = None) -> None:
     """Advantages over the whole batch (exchanged over the replicas), then epochs x mini-batches
     of optimizer steps on this replica's share."""
     if engine is None:
@@ -200,7 +211,6 @@ def run_train(world: World, config: ExperimentConfig, call: Call, engine, layout
         temperature = max(config.generation.temperature, 1e-6)
     else:
         loss_fn, temperature = critic_loss(algo), 1.0
-    budget = max(algo.micro_batch_tokens, int(batch.lengths.max()))
     order = torch.argsort(batch.sample_ids)
     parts = [order[i::algo.mini_batches] for i in range(algo.mini_batches)]
     sums: dict[str, float] = {}
@@ -210,7 +220,9 @@ def run_train(world: World, config: ExperimentConfig, call: Call, engine, layout
             if len(part) == 0:
                 raise ValueError(f"{call.name}: a replica of {layout} got fewer sequences than "
                                  f"algorithm.mini_batches={algo.mini_batches}")
-            metrics = engine.step(batch.select(part), loss_fn, micro_batch_tokens=budget, temperature=temperature)
+            mini = batch.select(part)
+            budget = token_budget(mini, algo.micro_batch_tokens, micro_batches)
+            metrics = engine.step(mini, loss_fn, micro_batch_tokens=budget, temperature=temperature)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
             steps += 1
@@ -238,11 +250,12 @@ def rollout_lists(batch: SequenceBatch | None) -> dict[str, list[Any]]:
     }
 
 
-def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int) -> EngineConfig:
+def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int, device: torch.device) -> EngineConfig:
     gen = config.generation
     per_replica = -(-num_prompts // layout.dp) * gen.samples_per_prompt
     return EngineConfig(
         max_seq_len=config.data.max_prompt_tokens + gen.max_new_tokens + 1,
         max_batch_size=max(1, per_replica),
         kv_cache_bytes=int(gen.kv_cache_gb * (1 << 30)) or None,
+        compile=gen.compile and device.type == "cuda" and layout.tp == 1,
     )

@@ -28,9 +28,9 @@ from shardflow.rl.advantages import KLController
 from shardflow.rl.graph import Kind
 from shardflow.rl.rewards import reward_function
 from shardflow.runtime import checkpointing
-from shardflow.runtime.calls import (CallReport, Held, communication_groups, engine_config, gather_inputs,
-                                     is_holder, rollout_lists, run_generate, run_inference, run_reward_function,
-                                     run_train)
+from shardflow.runtime.calls import (CallReport, Held, communication_groups, engine_config, is_holder, join,
+                                     push_outputs, rollout_lists, run_generate, run_inference,
+                                     run_reward_function, run_train)
 from shardflow.runtime.checks import Prepared
 from shardflow.runtime.models import ModelSlot
 from shardflow.runtime.report import merge_reports
@@ -95,6 +95,7 @@ class Run:
         world, config = self.world, self.config
         prompts = [self.prompts[i] for i in self.sampler.next_batch()]
         held: dict[str, Held] = {}
+        inbox: dict[str, list] = {c.name: [] for c in self.graph.model_calls()}
         reports: dict[str, CallReport] = {}
         for call in self.graph.order:
             report = reports.setdefault(call.name, CallReport())
@@ -109,25 +110,24 @@ class Run:
                 model = slot.model_for(layout)
                 report.metrics[f"time/realloc/{call.name}"] = slot.last_move.seconds
                 report.metrics[f"realloc/{call.name}/bytes"] = float(slot.last_move.bytes_moved)
+                batch = join(inbox.pop(call.name)) if world.rank in layout and call.inputs != ("prompts",) else None
+                out = None
                 if call.kind is Kind.GENERATE:
-                    out = None
                     if model is not None:
                         engine = self._engine(call.name, model, layout, len(prompts))
                         out = run_generate(world, config, engine, layout, prompts, it, report)
+                elif call.kind is Kind.INFERENCE:
+                    out = run_inference(world, config, call, model, layout, batch, self.plan[call.name].micro_batches)
                 else:
-                    fields = ("input_ids",) if call.kind is Kind.INFERENCE else None
-                    batch = gather_inputs(world, self.graph, call, layout, held, fields)
-                    if call.kind is Kind.INFERENCE:
-                        out = run_inference(world, config, call, model, layout, batch)
-                    else:
-                        engine = slot.engine if world.rank in layout else None
-                        run_train(world, config, call, engine, layout, batch, self.kl.value, report)
-                        out = None
+                    engine = slot.engine if world.rank in layout else None
+                    run_train(world, config, call, engine, layout, batch, self.kl.value, report,
+                              self.plan[call.name].micro_batches)
                 slot.done_with(layout)
             if world.rank in layout:
                 report.span = (start, time.time())
             for key in call.outputs:
                 held[key] = Held(layout, out if is_holder(layout, world.rank) else None)
+            push_outputs(world, self.graph, self.plan, call, layout, out, inbox)
             if call.outputs and call.outputs[0] == "rewards" and out is not None:
                 report.rollout["reward"] = out.seq_fields["rewards"].tolist()
             if call.kind is Kind.GENERATE and out is not None:
@@ -147,7 +147,8 @@ class Run:
         if engine is None or engine.model is not model:
             eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
             eos += list(self.prepared.models["actor"].eos_token_ids)
-            engine = Engine(model, engine_config(self.config, layout, num_prompts), eos_token_ids=eos)
+            engine = Engine(model, engine_config(self.config, layout, num_prompts, self.world.device),
+                            eos_token_ids=eos)
             engine.release_cache()
             self.engines[name] = engine
         return engine
