@@ -95,7 +95,8 @@ class ModelSlot:
         return copy
 
     def _maybe_compile(self, model: Transformer) -> None:
-        if self.spec.compile and self.world.device.type == "cuda":
+        # tp = 1 only: tracing the layers' tp collectives is not worth the risk of ranks diverging.
+        if self.spec.compile and self.world.device.type == "cuda" and model.shard.tp_size == 1:
             model.compile_layers()
 
     def done_with(self, layout: Layout) -> None:
