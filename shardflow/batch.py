@@ -102,10 +102,11 @@ class SequenceBatch:
         return self.select(torch.argsort(self.sample_ids))
 
     def update(self, token_fields: dict[str, torch.Tensor] | None = None,
-               seq_fields: dict[str, torch.Tensor] | None = None) -> "SequenceBatch":
+               seq_fields: dict[str, torch.Tensor] | None = None,
+               meta: dict[str, list[Any]] | None = None) -> "SequenceBatch":
         """A batch with extra (or replaced) fields, sharing the existing tensors."""
         return SequenceBatch(self.sample_ids, self.lengths, {**self.token_fields, **(token_fields or {})},
-                             {**self.seq_fields, **(seq_fields or {})}, dict(self.meta))
+                             {**self.seq_fields, **(seq_fields or {})}, {**self.meta, **(meta or {})})
 
     def to(self, device: torch.device | str) -> "SequenceBatch":
         return SequenceBatch(self.sample_ids, self.lengths,

@@ -48,6 +48,7 @@ class ModelSpec:
     path: str = _f("", "Hugging Face checkpoint directory")
     dtype: str = _f("auto", "compute dtype: auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward (trained models)")
+    compile: bool = _f(True, "torch.compile the decoder layers for training and inference on GPUs")
     offload: bool = _f(False, "keep a frozen model's weights in CPU memory between its calls")
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "optimizer (trained models)"})
 
@@ -84,6 +85,7 @@ class GenerationConfig:
     stop_token_ids: list = _f([], "token ids that end a response besides the tokenizer's EOS")
     kv_cache_gb: float = _f(0.0, "KV cache budget per rank in GiB (0 = a default share of free memory)")
     force_length: bool = _f(False, "ignore EOS and stop tokens: every response gets max_new_tokens (benchmarks)")
+    compile: bool = _f(True, "torch.compile the decode step on GPUs (tp=1 layouts; sampling is compiled always)")
     adaptive_tp: bool = _f(False, "switch generation to the plan's tp_targets mid-decode when that is predicted to pay")
     adaptive_interval: int = _f(32, "adaptive TP: decode steps between switch decisions")
     adaptive_margin: float = _f(0.25, "adaptive TP: switch when the predicted saving exceeds the switch cost by "
@@ -142,10 +144,14 @@ class AlgorithmConfig:
         _choice(f"{where}.name", self.name, ("grpo", "ppo"))
         _choice(f"{where}.kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
         _choice(f"{where}.loss_agg", self.loss_agg, ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
-        for key in ("batch_size", "epochs", "mini_batches", "micro_batch_tokens"):
+        for key in ("batch_size", "epochs", "mini_batches", "micro_batch_tokens", "adaptive_kl_horizon"):
             _positive(f"{where}.{key}", getattr(self, key))
         if self.batch_size % self.mini_batches:
             raise ValueError(f"{where}.mini_batches ({self.mini_batches}) must divide batch_size ({self.batch_size})")
+        if self.kl_in_reward and self.name != "ppo":
+            raise ValueError(f"{where}.kl_in_reward needs a per-token reward, i.e. name=ppo (got {self.name!r})")
+        if self.adaptive_kl_target > 0 and self.kl_coef <= 0:
+            raise ValueError(f"{where}.adaptive_kl_target needs a positive kl_coef to start from, got {self.kl_coef}")
 
 
 @dataclass(kw_only=True)
@@ -157,6 +163,7 @@ class RunConfig:
     backend: str = _f("auto", "auto | gloo | nccl")
     seed: int = _f(0, "seed for data order, sampling and initialisation")
     save_every: int = _f(0, "checkpoint every N iterations (0 = only at the end)")
+    checkpoints: bool = _f(True, "write checkpoints at all (false: metrics only, as benchmarks do)")
     keep_checkpoints: int = _f(2, "how many recent checkpoints to keep")
     resume: bool = _f(True, "continue from the latest checkpoint in out_dir when one exists")
     tensorboard: bool = _f(True, "write TensorBoard event files")

@@ -114,6 +114,8 @@ class Engine:
                              f"{cfg.max_position_embeddings}")
         max_len = self.max_seq_len - 1  # the last token of a full sequence is never fed back
         self.release_cache()
+        if self.device.type == "cuda":  # fresh copies of the current weights, before sizing the cache
+            self.model.fuse_projections(True)
         budget = kv_cache_bytes or config.kv_cache_bytes or self._default_budget(max_len)
         self.cache = KVCache.for_model(cfg, shard, budget_bytes=budget, max_len=max_len,
                                        max_slots=config.max_batch_size, dtype=self.dtype, device=self.device)
@@ -147,8 +149,10 @@ class Engine:
             self.decode = self._eager_decode
 
     def release_cache(self) -> None:
-        """Free the KV cache and the graphs that read it (``reset_cache`` makes a new one)."""
+        """Free the KV cache, the graphs that read it and the fused weight copies (``reset_cache``
+        makes new ones)."""
         self.cache = self.decode = None
+        self.model.fuse_projections(False)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

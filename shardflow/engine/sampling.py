@@ -137,6 +137,19 @@ def local_candidates(z: torch.Tensor, st: SamplingTensors, vocab_start: int, mod
                         m.double(), s.double()], dim=-1)
 
 
+_compiled_candidates = []
+
+
+def _candidates_for(device: torch.device):
+    """``local_candidates``, compiled into one fused kernel on GPUs: eager, the noise alone is some
+    forty passes over an int64 [B, V] tensor per step, more than the rest of the decode step."""
+    if device.type != "cuda":
+        return local_candidates
+    if not _compiled_candidates:
+        _compiled_candidates.append(torch.compile(local_candidates, dynamic=True))
+    return _compiled_candidates[0]
+
+
 def pick(candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token [B] and log-probability [B] from the candidates [R, B, 5] of R vocabulary slices
     (in vocabulary order); ties go to the first slice, i.e. the lowest vocabulary index."""
@@ -158,7 +171,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors, *, vocab_start: int, vocab
     """
     z = scaled_logits(logits, st.temperature)  # [B, V_local]
     if mode != FILTER:
-        mine = local_candidates(z, st, vocab_start, mode)[None]  # [1, B, 5]
+        mine = _candidates_for(z.device)(z, st, vocab_start, mode)[None]  # [1, B, 5]
         return pick(comm.all_gather(mine, group, dim=0))
     z = comm.all_gather(z, group, dim=-1)[:, :vocab_size]  # [B, V]: the full vocabulary
     lse = torch.logsumexp(z, dim=-1)

@@ -6,6 +6,7 @@ not implement is refused here with an error that names the option, before any we
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -75,6 +76,18 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+
+    def __hash__(self) -> int:
+        # A key of many caches (sharding, planner): hash the compared fields once.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.compare))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        # string hashes differ between processes: never ship the cached one
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     # ----- sizes used by sharding, the cost model and benchmarks ---------------------------
 

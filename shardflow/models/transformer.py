@@ -11,6 +11,7 @@ V local vocabulary rows.
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -80,13 +81,20 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.fused_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see fuse_projections
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn | None) -> torch.Tensor:
         B, T, _ = x.shape
         x = copy_to_tp(x, self.group)
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.fused_qkv is not None and not torch.is_grad_enabled():
+            q, k, v = F.linear(x, *self.fused_qkv).split(
+                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                 self.num_kv_heads * self.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, T, self.num_heads, self.head_dim)
+        k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B,T,1,d]
@@ -109,10 +117,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(H, inter, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(H, inter, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(inter, H, cfg.mlp_bias, group)
+        self.fused_gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.group)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused_gate_up is not None and not torch.is_grad_enabled():
+            gate, up = F.linear(x, *self.fused_gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -128,6 +141,13 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _layer_forward(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   attend: AttendFn | None) -> torch.Tensor:
+    """One layer's forward as a plain function of the layer, so that one compiled version serves
+    every layer (their parameters are inputs, not constants)."""
+    return layer(x, cos, sin, attend)
+
+
 class Transformer(nn.Module):
     """One rank's shard: the embedding (first stage), its stage's layers, and the final norm
     with the LM or value head (last stage)."""
@@ -137,6 +157,7 @@ class Transformer(nn.Module):
         self.cfg, self.shard, self.tp_group = cfg, shard, tp_group
         # Recompute each layer in backward instead of keeping its activations (set by training).
         self.gradient_checkpointing = False
+        self._compiled_layer = None  # see compile_layers
         self.model = nn.Module()
         if shard.first_stage:
             self.model.embed_tokens = VocabParallelEmbedding(shard.vocab_size, cfg.hidden_size,
@@ -167,15 +188,57 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions, h.dtype)
         recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for layer in self.model.layers.values():
+            # Compiled layers serve plain causal forwards (training, inference); generation passes
+            # its own ``attend`` and compiles its whole decode step instead.
+            run = self._compiled_layer if attend is None and self._compiled_layer is not None else _layer_forward
             if recompute:
                 # The decoder has no dropout, so the recomputation needs no saved RNG state. Under
                 # tp the recomputed forward repeats its two all-reduces inside backward.
-                h = checkpoint(layer, h, cos, sin, attend, use_reentrant=False, preserve_rng_state=False)
+                h = checkpoint(run, layer, h, cos, sin, attend, use_reentrant=False, preserve_rng_state=False)
             else:
-                h = layer(h, cos, sin, attend)
+                h = run(layer, h, cos, sin, attend)
         if self.shard.last_stage:
             h = self.model.norm(h)
         return h
+
+    def compile_layers(self) -> bool:
+        """Run plain forwards (and their backwards) of every decoder layer through one
+        ``torch.compile``d function, which fuses the norms, rotary embedding and activation into few
+        kernels. The compiled code is tried once on a small input first; if compilation fails the
+        model stays eager and this returns False."""
+        compiled = torch.compile(_layer_forward, dynamic=True)
+        layer = next(iter(self.model.layers.values()), None)
+        if layer is None:
+            return False
+        p = next(self.parameters())
+        x = torch.zeros(1, 4, self.cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
+        cos, sin = self.rope(torch.arange(4, device=p.device)[None], p.dtype)
+        try:
+            compiled(layer, x, cos, sin, None).sum().backward()
+        except Exception as e:  # noqa: BLE001 - any compiler failure: stay eager, say so
+            warnings.warn(f"torch.compile of the decoder layers failed, running eager: {type(e).__name__}: {e}")
+            return False
+        finally:
+            self.zero_grad(set_to_none=True)
+        self._compiled_layer = compiled
+        return True
+
+    @torch.no_grad()
+    def fuse_projections(self, enable: bool = True) -> None:
+        """Keep concatenated copies of the q/k/v and gate/up weights (``enable``) or drop them.
+
+        Decoding reads every weight once per token, so one matrix-vector product over the
+        concatenation beats three (or two) small ones. The copies are snapshots: refresh them after
+        the weights change. Forward passes that record gradients always use the separate weights.
+        """
+        def cat(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+            bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
+            return torch.cat([m.weight for m in linears]), bias
+
+        for layer in self.model.layers.values():
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.fused_qkv = cat(attn.q_proj, attn.k_proj, attn.v_proj) if enable else None
+            mlp.fused_gate_up = cat(mlp.gate_proj, mlp.up_proj) if enable else None
 
     # ----- heads (last stage) -----------------------------------------------------------
 

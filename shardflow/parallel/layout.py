@@ -42,7 +42,11 @@ class Layout:
     tp: int = 1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        # A range (as from ``contiguous``) is increasing by construction: skip the per-rank checks,
+        # which cost milliseconds for the thousand-rank layouts the planner builds by the thousand.
+        given = self.ranks
+        simple = isinstance(given, range) and given.step == 1 and given.start >= 0
+        object.__setattr__(self, "ranks", tuple(given) if simple else tuple(int(r) for r in given))
         for axis in ("pp", "dp", "tp"):
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
@@ -52,6 +56,8 @@ class Layout:
                 f"layout needs pp*dp*tp = {self.pp}*{self.dp}*{self.tp} = "
                 f"{self.pp * self.dp * self.tp} ranks, got {len(self.ranks)}: {list(self.ranks)}"
             )
+        if simple:
+            return
         if any(r < 0 for r in self.ranks):
             raise ValueError(f"layout ranks must be non-negative, got {list(self.ranks)}")
         if len(set(self.ranks)) != len(self.ranks):
@@ -62,11 +68,23 @@ class Layout:
                 raise ValueError(f"layout {list(self.ranks)}: the ranks of each tp group must increase, "
                                  f"got {list(group)}")
 
+    def __hash__(self) -> int:
+        # Layouts key many caches and may list a thousand ranks: hash them once.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.ranks, self.pp, self.dp, self.tp))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        # string hashes differ between processes: never ship the cached one
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     # ----- construction and printing -------------------------------------------------------
 
     @classmethod
     def contiguous(cls, start: int = 0, *, pp: int = 1, dp: int = 1, tp: int = 1) -> "Layout":
-        return cls(tuple(range(start, start + pp * dp * tp)), pp=pp, dp=dp, tp=tp)
+        return cls(range(start, start + pp * dp * tp), pp=pp, dp=dp, tp=tp)
 
     @classmethod
     def parse(cls, text: str) -> "Layout":

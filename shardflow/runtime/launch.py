@@ -10,6 +10,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
+import traceback
+from multiprocessing import connection as mp_connection
 from typing import Any, Callable
 
 import torch
@@ -19,6 +22,7 @@ import torch.multiprocessing as mp
 from shardflow.parallel.world import World, init_world
 
 Entry = Callable[..., Any]
+FAILURE_GRACE_S = 3.0  # after a rank fails, how long the others get to report their own errors
 
 
 class RankFailed(RuntimeError):
@@ -56,24 +60,69 @@ def launch(entry: Entry, nprocs: int, *args: Any, backend: str | None = None) ->
         if torch.cuda.device_count() < nprocs:
             raise ValueError(f"the job needs {nprocs} GPUs but this machine has {torch.cuda.device_count()}")
     init_method = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_rank_main, args=(rank, entry, nprocs, init_method, backend, args, errors),
+                         daemon=False) for rank in range(nprocs)]
+    for p in procs:
+        p.start()
     try:
-        mp.start_processes(_rank_main, args=(entry, nprocs, init_method, backend, args),
-                           nprocs=nprocs, join=True, start_method="spawn")
-    except mp.ProcessRaisedException as e:
-        raise RankFailed(f"rank {e.error_index} failed:\n{e}") from None
-    except mp.ProcessExitedException as e:
-        raise RankFailed(f"rank {e.error_index} died with exit code {e.exit_code}") from None
+        failure = _watch(procs, errors)
+    finally:
+        _stop(procs)
+    if failure is not None:
+        raise RankFailed(failure)
     return None
 
 
+def _watch(procs, errors) -> str | None:
+    """Wait for every rank; on the first failure, give the others a moment to report theirs and
+    return the message of the earliest one (a peer's failure makes the rest fail too, later)."""
+    failures: list[tuple[float, int, str]] = []
+    deadline = None
+    while True:
+        while not errors.empty():
+            failures.append(errors.get())
+        exits = [p.exitcode for p in procs]
+        if all(code == 0 for code in exits):
+            return None
+        failed = [r for r, code in enumerate(exits) if code not in (None, 0)]
+        if (failures or failed) and deadline is None:
+            deadline = time.monotonic() + FAILURE_GRACE_S
+        if deadline is not None and (time.monotonic() > deadline or all(code is not None for code in exits)):
+            while not errors.empty():
+                failures.append(errors.get())
+            if failures:
+                _, rank, text = min(failures)
+                return f"rank {rank} failed:\n{text}"
+            rank = failed[0]
+            return f"rank {rank} died with exit code {exits[rank]}"
+        mp_connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.2)
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def _rank_main(rank: int, entry: Entry, size: int, init_method: str, backend: str | None,
-               args: tuple) -> None:
-    world = init_world(rank, size, init_method, backend)
-    if world.backend == "gloo":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+               args: tuple, errors) -> None:
     try:
+        world = init_world(rank, size, init_method, backend)
+        if world.backend == "gloo":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         entry(world, *args)
+    except BaseException:  # noqa: BLE001 - reported to the launcher, which ends the job
+        errors.put((time.time(), rank, traceback.format_exc()))
+        sys.stdout.flush()
+        os._exit(1)  # skip teardown: peers may be gone, and destroying the group could hang
     finally:
         sys.stdout.flush()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()

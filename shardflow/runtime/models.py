@@ -65,6 +65,7 @@ class ModelSlot:
         slot = cls(world, role, spec, cfg, home, compute_dtype(spec, world.device))
         if world.rank in home:
             slot.home_model, _ = load_model(spec.path, home, world, slot.dtype, cfg=cfg)
+            slot._maybe_compile(slot.home_model)
             if optim is not None:
                 slot.engine = TrainEngine(slot.home_model, home, world, optim,
                                           gradient_checkpointing=spec.gradient_checkpointing)
@@ -84,11 +85,19 @@ class ModelSlot:
             return self.home_model
         if self.offloader is not None and self.offloader.offloaded:
             self.offloader.restore()
+        new = layout not in self.copies
         copy, stats = reallocate_model(self.world, self.cfg, self.home, layout, self.home_model,
                                        self.copies.get(layout), dtype=self.dtype)
         self.copies[layout] = copy
+        if new and copy is not None:
+            self._maybe_compile(copy)
         self.last_move = MoveStats(time.perf_counter() - start, stats.bytes_received, stats.gbps)
         return copy
+
+    def _maybe_compile(self, model: Transformer) -> None:
+        # tp = 1 only: tracing the layers' tp collectives is not worth the risk of ranks diverging.
+        if self.spec.compile and self.world.device.type == "cuda" and model.shard.tp_size == 1:
+            model.compile_layers()
 
     def done_with(self, layout: Layout) -> None:
         """After a call: free the call's copy (kept as an object for reuse), offload if asked."""

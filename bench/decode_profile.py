@@ -1,0 +1,145 @@
+"""Where a decode step's time goes, to guide tuning (a diagnostic, not a headline benchmark).
+
+    python bench/decode_profile.py --out runs/decode-profile            # one GPU, LLaMA-3.1-8B shape
+    python bench/decode_profile.py --out runs/decode-profile --tiny     # CPU check
+
+1. The Triton decode attention over a grid of its tuning knobs (positions per block, programs per
+   SM, warps, pipeline stages), GB/s of KV read, for several batch x context cases.
+2. The projections as plain ``F.linear`` per weight shape (and with q/k/v and gate/up fused), GB/s of
+   weight read, at batch 1 and 64.
+3. A kernel-level profile (torch.profiler) of the engine's decode step, eager and compiled, at
+   batch 1 and 64: the top kernels by device time.
+Writes ``decode_profile.json`` to ``--out`` and prints the best settings found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from generation import LLAMA_8B, TINY, llama_config, measure_bandwidth, random_model, timed  # noqa: E402
+
+from shardflow.engine.decode_attention import decode_attention_triton  # noqa: E402
+from shardflow.engine.generate import Engine, EngineConfig  # noqa: E402
+from shardflow.engine.requests import SamplingParams, make_requests  # noqa: E402
+
+
+def attention_sweep(device, cfg, cases, dtype) -> list[dict]:
+    kv, d = cfg.num_kv_heads, cfg.head_dim
+    heads = cfg.num_heads
+    rows = []
+    for batch, context in cases:
+        k = torch.randn(batch + 1, kv, context + 1, d, dtype=dtype, device=device)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, heads, d, dtype=dtype, device=device)
+        slots = torch.arange(batch, device=device)
+        lengths = torch.full((batch,), context, device=device)
+        nbytes = 2 * batch * kv * context * d * k.element_size()
+        for block, pps, warps, stages in itertools.product((32, 64, 128), (2, 4, 8, 16), (4, 8), (2, 3, 4)):
+            try:
+                s = timed(lambda: decode_attention_triton(q, k, v, slots, lengths, None, block=block,
+                                                          programs_per_sm=pps, num_warps=warps, num_stages=stages),
+                          device, repeat=20)
+            except Exception as e:  # noqa: BLE001 - a config may not compile (shared memory)
+                rows.append(dict(batch=batch, context=context, block=block, pps=pps, warps=warps, stages=stages,
+                                 error=str(e)[:200]))
+                continue
+            rows.append(dict(batch=batch, context=context, block=block, pps=pps, warps=warps, stages=stages,
+                             us=s * 1e6, gbps=nbytes / s / 1e9))
+        del k, v
+    return rows
+
+
+def linear_sweep(device, cfg, dtype) -> list[dict]:
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"q": (cfg.q_size, H), "k": (cfg.kv_size, H), "o": (H, cfg.q_size), "gate": (I, H),
+              "down": (H, I), "qkv_fused": (cfg.q_size + 2 * cfg.kv_size, H), "gate_up_fused": (2 * I, H),
+              "lm_head": (cfg.vocab_size, H)}
+    rows = []
+    for (name, (n, kdim)), batch in itertools.product(shapes.items(), (1, 16, 64)):
+        w = torch.randn(n, kdim, dtype=dtype, device=device)
+        x = torch.randn(batch, kdim, dtype=dtype, device=device)
+        s = timed(lambda: F.linear(x, w), device, repeat=30)
+        rows.append(dict(weight=name, batch=batch, us=s * 1e6, gbps=w.numel() * w.element_size() / s / 1e9))
+        del w
+    return rows
+
+
+def kernel_profile(model, device, batch: int, context: int, compile: bool) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = Engine(model, EngineConfig(max_seq_len=context + 64, max_batch_size=batch, cuda_graphs=False,
+                                        compile=compile), eos_token_ids=[])
+    params = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+    prompts = [[5 + (i % 90)] * context for i in range(batch)]
+    engine.submit(make_requests(prompts, params))
+    for _ in range(8):  # prefill, then warm decode (and compile)
+        engine.step()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            engine.step()
+        torch.cuda.synchronize(device)
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events)
+    engine.evict()
+    engine.release_cache()
+    return [dict(name=e.key[:120], calls=e.count, us_per_step=e.device_time_total / 10, share=e.device_time_total / total)
+            for e in events[:25]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda":
+        print("decode_profile measures GPU kernels; on CPU it only checks that it runs")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = TINY if args.tiny else LLAMA_8B
+    cfg = llama_config(shape)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    if device.type == "cuda":
+        result["bandwidth_gb_s"] = measure_bandwidth(device, 4) / 1e9
+        cases = [(1, 8192), (16, 1024), (64, 1024), (64, 8192), (256, 1024)]
+        result["attention"] = attention_sweep(device, cfg, cases, dtype)
+        result["linear"] = linear_sweep(device, cfg, dtype)
+        model = random_model(cfg, device, dtype)
+        result["profile"] = {}
+        for (b, c), comp in itertools.product(((1, 1024), (64, 1024)), (False, True)):
+            key = f"b{b}_ctx{c}_{'compiled' if comp else 'eager'}"
+            try:
+                result["profile"][key] = kernel_profile(model, device, b, c, comp)
+            except Exception as e:  # noqa: BLE001 - keep the other measurements
+                result["profile"][key] = [dict(name=f"failed: {e}"[:300], calls=10, us_per_step=0.0, share=0.0)]
+    (out / "decode_profile.json").write_text(json.dumps(result, indent=2))
+    if device.type == "cuda":
+        for batch, context in sorted({(r["batch"], r["context"]) for r in result["attention"]}):
+            ok = [r for r in result["attention"] if r["batch"] == batch and r["context"] == context and "gbps" in r]
+            best = max(ok, key=lambda r: r["gbps"])
+            default = next(r for r in ok if (r["block"], r["pps"], r["warps"], r["stages"]) == (64, 4, 4, 2))
+            print(f"attention b{batch} ctx{context}: default {default['gbps']:.0f} GB/s, best {best['gbps']:.0f} GB/s "
+                  f"(block {best['block']} pps {best['pps']} warps {best['warps']} stages {best['stages']})")
+        for r in result["linear"]:
+            print(f"linear {r['weight']:>14} b{r['batch']:<3} {r['us']:8.1f} us {r['gbps']:6.0f} GB/s")
+        for key, rows in result["profile"].items():
+            print(f"-- {key}: top kernels (us per step)")
+            for r in rows[:12]:
+                print(f"   {r['us_per_step']:8.1f} {100 * r['share']:5.1f}% x{r['calls'] // 10:<4} {r['name']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""One GRPO iteration, shardflow against TRL's GRPOTrainer, on the same workload in the same run.
+
+    python bench/iteration.py --out runs/bench-iteration          # GPU: Qwen3-1.7B shape, bf16
+    python bench/iteration.py --out runs/bench-iteration --tiny   # any machine: a tiny shape
+
+Workload (GPU): random Qwen3-1.7B-shaped weights, 32 prompts x 8 samples x 512 forced response
+tokens (EOS ignored), one optimizer step per iteration, no KL term (TRL's default beta=0), a cheap
+rule reward that varies within groups. Both systems run in their own process, one after the other.
+Reported: seconds per iteration (median after the first, which includes warm-up), shardflow's
+time per phase, and each phase's roofline from the measured HBM bandwidth and matrix rate:
+  generation: sum over decode steps of max(bytes read / bandwidth, FLOPs / matrix rate),
+  training:   6 x (matrix parameters) x tokens / matrix rate (forward + backward).
+Prints a table and writes ``iteration.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                  tie_word_embeddings=True, rope_theta=1000000.0)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
+            tie_word_embeddings=True)
+FULL_WORKLOAD = dict(prompts=32, samples_per_prompt=8, prompt_tokens=64, response_tokens=512, trl_micro_batch=32)
+TINY_WORKLOAD = dict(prompts=4, samples_per_prompt=4, prompt_tokens=8, response_tokens=8, trl_micro_batch=8)
+
+
+def spread_reward(prompts, responses, answers) -> list[float]:
+    """The same cheap reward as the TRL side: varies within groups, costs nothing."""
+    return [float(sum(map(ord, r)) % 7) / 6.0 for r in responses]
+
+
+# ----- the workload ---------------------------------------------------------------------------------
+
+
+def prepare(work: Path, shape: dict, workload: dict) -> None:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from shardflow.models.tiny import char_tokenizer
+
+    cuda = torch.cuda.is_available()
+    config = Qwen3Config(**shape, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(0)
+    with torch.device("cuda" if cuda else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32)
+    model.save_pretrained(work / "model")
+    del model
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(work / "model")
+    n = workload["prompt_tokens"]
+    with (work / "prompts.jsonl").open("w") as f:
+        for i in range(workload["prompts"]):
+            text = "".join(chr(ord("a") + (i * 7 + j * 3) % 26) for j in range(n))  # one token per char
+            f.write(json.dumps({"prompt": text, "answer": ""}) + "\n")
+    (work / "workload.json").write_text(json.dumps(workload))
+
+
+def shardflow_config(work: Path, workload: dict, iterations: int, out: Path) -> Path:
+    cfg = {
+        "algorithm": {"name": "grpo", "batch_size": workload["prompts"], "micro_batch_tokens": 16384},
+        "models": {"actor": {"path": str(work / "model"), "optim": {"lr": 1e-6}}},
+        "data": {"path": str(work / "prompts.jsonl"), "chat_template": False,
+                 "max_prompt_tokens": workload["prompt_tokens"], "shuffle": False},
+        "generation": {"max_new_tokens": workload["response_tokens"],
+                       "samples_per_prompt": workload["samples_per_prompt"], "force_length": True},
+        "reward": {"kind": "function", "function": f"{Path(__file__).resolve()}:spread_reward"},
+        "run": {"iterations": iterations, "devices": 1, "out_dir": str(out), "resume": False,
+                "progress": False, "tensorboard": False, "checkpoints": False},
+    }
+    path = work / "shardflow.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+# ----- rooflines ------------------------------------------------------------------------------------
+
+
+def measure_rates(device: torch.device) -> tuple[float, float]:
+    """(bytes/s of a device copy counting read + write, bf16 matrix FLOP/s), or CPU guesses."""
+    if device.type != "cuda":
+        return 20e9, 100e9
+    n = 4 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+
+    def median(fn, repeat=10):
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    bandwidth = 2 * n / median(lambda: dst.copy_(src))
+    flops = 2 * 8192**3 / median(lambda: a @ b)
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+    return bandwidth, flops
+
+
+def rooflines(shape: dict, workload: dict, bandwidth: float, flops: float) -> dict[str, float]:
+    from transformers import Qwen3Config
+
+    from shardflow.models.config import ModelConfig
+
+    hf = Qwen3Config(**shape)
+    hf.architectures = ["Qwen3ForCausalLM"]
+    cfg = ModelConfig.from_hf_dict(hf.to_dict())
+    matrix = cfg.num_layers * cfg.layer_params() + cfg.vocab_size * cfg.hidden_size  # layers + LM head
+    weight_bytes = 2 * cfg.num_params()
+    batch = workload["prompts"] * workload["samples_per_prompt"]
+    prompt, response = workload["prompt_tokens"], workload["response_tokens"]
+    kv_token = cfg.kv_bytes_per_token(2)
+    generation = 0.0
+    for step in range(response):
+        read = weight_bytes + batch * (prompt + step) * kv_token
+        generation += max(read / bandwidth, 2 * matrix * batch / flops)
+    prefill = 2 * matrix * batch * prompt / flops
+    tokens = batch * (prompt + response)
+    return {"generation_s": generation + prefill, "training_s": 6 * matrix * tokens / flops,
+            "bandwidth_gb_s": bandwidth / 1e9, "matrix_tflops": flops / 1e12}
+
+
+# ----- runs -----------------------------------------------------------------------------------------
+
+
+def run_shardflow(work: Path, workload: dict, iterations: int) -> dict:
+    out = work / "shardflow-run"
+    config = shardflow_config(work, workload, iterations, out)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "shardflow.cli", "train", str(config)], check=True, env=env)
+    wall = time.perf_counter() - start
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steady = rows[1:] if len(rows) > 1 else rows
+    phases = {k.removeprefix("time/"): statistics.median(r[k] for r in steady) for k in steady[0]
+              if k.startswith("time/") and not k.startswith("time/realloc")}
+    return {"iteration_s": [r["time/iteration"] for r in rows], "median_iteration_s": phases.pop("iteration"),
+            "phases_s": phases, "tokens_per_s": statistics.median(r.get("generation/tokens_per_s", 0) for r in steady),
+            "process_wall_s": wall}
+
+
+def run_trl(work: Path, steps: int) -> dict:
+    out = work / "trl.json"
+    start = time.perf_counter()
+    subprocess.run([sys.executable, str(ROOT / "bench" / "trl_grpo.py"), "--workdir", str(work), "--steps",
+                    str(steps), "--out", str(out)], check=True)
+    result = json.loads(out.read_text())
+    steady = result["step_seconds"][1:] or result["step_seconds"]
+    return {**result, "median_step_s": statistics.median(steady), "process_wall_s": time.perf_counter() - start}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tiny", action="store_true", help="tiny shape and workload (CPU check)")
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--trl-steps", type=int, default=3)
+    parser.add_argument("--skip-trl", action="store_true")
+    args = parser.parse_args()
+    shape, workload = (TINY, TINY_WORKLOAD) if args.tiny else (QWEN3_1_7B, FULL_WORKLOAD)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        prepare(work, shape, workload)
+        bandwidth, flops = measure_rates(device)
+        roof = rooflines(shape, workload, bandwidth, flops)
+        ours = run_shardflow(work, workload, args.iterations)
+        trl = None if args.skip_trl else run_trl(work, args.trl_steps)
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "shape": shape, "workload": workload, "roofline": roof,
+              "shardflow": ours, "trl": trl}
+    (out / "iteration.json").write_text(json.dumps(result, indent=2))
+
+    print(f"\nGRPO iteration, {result['device']}: {workload['prompts']} prompts x {workload['samples_per_prompt']} "
+          f"samples x {workload['response_tokens']} tokens")
+    print("| system | s/iteration | generation s | training s | roofline s |")
+    print("|---|---:|---:|---:|---:|")
+    total_roof = roof["generation_s"] + roof["training_s"]
+    ph = ours["phases_s"]
+    print(f"| shardflow | {ours['median_iteration_s']:.2f} | {ph.get('actor_gen', 0):.2f} | "
+          f"{ph.get('actor_train', 0):.2f} | {total_roof:.2f} |")
+    if trl is not None:
+        print(f"| TRL GRPOTrainer | {trl['median_step_s']:.2f} |  |  | {total_roof:.2f} |")
+        print(f"speed-up over TRL: {trl['median_step_s'] / ours['median_iteration_s']:.2f}x")
+    print(f"rooflines: generation {roof['generation_s']:.2f} s, training {roof['training_s']:.2f} s "
+          f"(HBM {roof['bandwidth_gb_s']:.0f} GB/s, bf16 {roof['matrix_tflops']:.0f} TFLOP/s measured)")
+
+
+if __name__ == "__main__":
+    main()

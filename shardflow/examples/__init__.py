@@ -1,0 +1,1 @@
+"""Example tasks shipped with shardflow (data files are package data)."""

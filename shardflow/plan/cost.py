@@ -1,0 +1,189 @@
+"""Time of one model call in one layout, from per-operation costs (``OpCosts``) and the workload.
+
+- Generation (pp = 1): each DP replica prefills its prompts (siblings of a prompt share one
+  prefill), then decodes; the active batch shrinks as requests finish (expected order statistics
+  of the response lengths), and when the KV cache holds fewer slots than requests, the rest wait
+  and are admitted as slots free up. A decode step costs every layer's step, the head, and two
+  tp all-reduces per layer.
+- Inference: forward of the replica's tokens in ``k`` micro-batches through ``pp`` stages:
+  ``(k + pp - 1)`` times the slowest stage (pipeline fill and drain), each stage paying its layers,
+  two tp all-reduces per layer and a point-to-point send of activations.
+- Training: per optimizer step, the same pipeline with forward + backward (1F1B, bubble
+  ``pp - 1``), four tp all-reduces per layer (six with recomputation), then the data-parallel
+  gradient all-reduce and the AdamW step, not overlapped.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from shardflow.models.config import ModelConfig
+from shardflow.parallel.layout import Layout
+from shardflow.plan.hardware import Cluster
+from shardflow.plan.memory import Precision, rank_params, stage_layer_count
+from shardflow.plan.profile import OpCosts
+from shardflow.plan.workload import Workload
+
+
+def _arrival_order(m: int) -> list[int]:
+    """A fixed shuffle of 0..m-1 (golden-ratio stride): requests arrive in no particular length
+    order, so when slots are short the queue holds long and short ones alike."""
+    step = max(1, round(m * 0.618))
+    while math.gcd(step, m) != 1:
+        step += 1
+    return [(i * step) % m for i in range(m)]
+
+
+def _merge_runs(runs: list[tuple[float, int, float]], pieces: int = 48) -> list[tuple[float, float, float]]:
+    """Merge consecutive runs of decode steps into about ``pieces`` groups, each with the
+    step-weighted mean batch and the token-weighted mean context. A step's cost is affine in the
+    batch and in batch x context, so this keeps the total nearly exact at a fraction of the work."""
+    total = sum(r[0] for r in runs)
+    out: list[tuple[float, float, float]] = []
+    steps = tokens = kv = 0.0
+    for k, batch, context in runs:
+        steps, tokens, kv = steps + k, tokens + k * batch, kv + k * batch * context
+        if steps >= total / pieces:
+            out.append((steps, tokens / steps, kv / tokens))
+            steps = tokens = kv = 0.0
+    if steps > 0:
+        out.append((steps, tokens / steps, kv / tokens))
+    return out
+
+
+@dataclass
+class CostModel:
+    ops: OpCosts
+    workload: Workload
+    precision: Precision = field(default_factory=Precision)
+
+    def __post_init__(self) -> None:
+        self._cache: dict[tuple, float] = {}
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.ops.cluster
+
+    # ----- shared pieces ---------------------------------------------------------------------
+
+    def _tp_all_reduce(self, cfg: ModelConfig, layout: Layout, tokens: float) -> float:
+        group = layout.ranks[:layout.tp]  # every tp group is a block of neighbours like the first
+        return self.ops.all_reduce(tokens * cfg.hidden_size * self.precision.activation_bytes, group)
+
+    def _stage_send(self, cfg: ModelConfig, layout: Layout, tokens: float) -> float:
+        """Activations of one micro-batch to the next stage (the slowest stage boundary)."""
+        if layout.pp == 1:
+            return 0.0
+        nbytes = tokens * cfg.hidden_size * self.precision.activation_bytes
+        return max(self.ops.p2p(nbytes, layout.rank_at(s, 0, 0), layout.rank_at(s + 1, 0, 0))
+                   for s in range(layout.pp - 1))
+
+    def replica_sequences(self, layout: Layout, steps: int = 1) -> int:
+        """Sequences of the fullest DP replica per step: it sets the call's time."""
+        return math.ceil(self.workload.sequences / (layout.dp * steps))
+
+    # ----- generation ------------------------------------------------------------------------
+
+    def decode_step(self, cfg: ModelConfig, layout: Layout, batch: float, context: float) -> float:
+        layers = cfg.num_layers * (self.ops.decode_layer(cfg, layout.tp, batch, context)
+                                   + 2 * self._tp_all_reduce(cfg, layout, batch))
+        # the head, then one small collective to agree on the sampled tokens across tp
+        sample = self._tp_all_reduce(cfg, layout, 1)
+        return layers + self.ops.head_forward(cfg, layout.tp, batch) + sample
+
+    def prefill(self, cfg: ModelConfig, layout: Layout, requests: float) -> float:
+        w = self.workload
+        tokens = requests * w.prompt_tokens / w.samples_per_prompt
+        layer = (self.ops.layer_forward(cfg, layout.tp, tokens, w.prompt_tokens)
+                 + 2 * self._tp_all_reduce(cfg, layout, tokens))
+        return cfg.num_layers * layer + self.ops.head_forward(cfg, layout.tp, requests)
+
+    def generate(self, cfg: ModelConfig, layout: Layout, kv_slots: int) -> float:
+        """Seconds for every replica to finish its requests with ``kv_slots`` KV-cache slots each."""
+        m = self.replica_sequences(layout)
+        slots = min(kv_slots, m)
+        if slots < 1:
+            raise ValueError(f"generation in {layout} has no KV-cache slot")
+        key = ("gen", cfg, layout.dp, layout.tp, slots)  # tp groups never leave a node
+        if key not in self._cache:
+            self._cache[key] = self._generate(cfg, layout, m, slots)
+        return self._cache[key]
+
+    def _generate(self, cfg: ModelConfig, layout: Layout, m: int, slots: int) -> float:
+        lengths = self.workload.response_lengths(m)
+        queue = [lengths[i] for i in _arrival_order(m)]
+        prompt = self.workload.prompt_tokens
+        # Event simulation over runs of decode steps with a constant active batch. A request
+        # admitted at step a has context prompt + (s - a) at step s, so the batch's mean context
+        # follows from the sum of admission steps of the active requests.
+        runs: list[tuple[float, int, float]] = []  # (steps, batch, mean context)
+        active: list[tuple[float, float]] = []  # heap of (finish step, admission step)
+        admit_sum, step, nxt = 0.0, 0.0, 0
+        while nxt < m or active:
+            while nxt < m and len(active) < slots:
+                # the prefill yields the first token; each later one takes a decode step
+                heapq.heappush(active, (step + max(queue[nxt] - 1, 0.0), step))
+                admit_sum += step
+                nxt += 1
+            end, batch = active[0][0], len(active)
+            if end > step:
+                runs.append((end - step, batch, prompt + (step + end) / 2 - admit_sum / batch))
+            step = end
+            while active and active[0][0] <= step:
+                admit_sum -= heapq.heappop(active)[1]
+        # Prefill: the first wave together, later admissions (when slots ran short) in total.
+        seconds = self.prefill(cfg, layout, slots) + (self.prefill(cfg, layout, m - slots) if m > slots else 0.0)
+        return seconds + sum(steps * self.decode_step(cfg, layout, batch, context)
+                             for steps, batch, context in _merge_runs(runs))
+
+    # ----- inference and training ------------------------------------------------------------
+
+    def _key(self, kind: str, cfg: ModelConfig, layout: Layout, *rest) -> tuple:
+        # Costs depend on the ranks only through whether the layout spans nodes (device sets are
+        # aligned blocks, so groups of the same shape cross nodes alike).
+        return (kind, cfg, layout.pp, layout.dp, layout.tp, self.cluster.one_node(layout.ranks), *rest)
+
+    def inference(self, cfg: ModelConfig, layout: Layout, micro_batches: int) -> float:
+        """Forward over the iteration's sequences (log-probabilities or values)."""
+        key = self._key("inf", cfg, layout, micro_batches)
+        if key not in self._cache:
+            w = self.workload
+            layers = stage_layer_count(cfg, layout.pp)
+
+            def stage(mb: float) -> float:
+                per_layer = (self.ops.layer_forward(cfg, layout.tp, mb, w.attention_length)
+                             + 2 * self._tp_all_reduce(cfg, layout, mb))
+                head = self.ops.head_forward(cfg, layout.tp, mb)
+                return layers * per_layer + head + self._stage_send(cfg, layout, mb)
+
+            tokens = self.replica_sequences(layout) * w.mean_tokens
+            # pipeline fill and drain: k + pp - 1 slots of the slowest stage
+            self._cache[key] = (micro_batches + layout.pp - 1) * stage(tokens / micro_batches)
+        return self._cache[key]
+
+    def train(self, cfg: ModelConfig, layout: Layout, micro_batches: int, checkpointing: bool = False) -> float:
+        """Every optimizer step of the call: pipeline, gradient all-reduce, AdamW step."""
+        key = self._key("train", cfg, layout, micro_batches, checkpointing)
+        if key not in self._cache:
+            w = self.workload
+            layers = stage_layer_count(cfg, layout.pp)
+            seqlen = w.attention_length
+
+            def stage(mb: float) -> float:
+                fwd = self.ops.layer_forward(cfg, layout.tp, mb, seqlen)
+                bwd = self.ops.layer_backward(cfg, layout.tp, mb, seqlen)
+                passes = 3 if checkpointing else 2  # all-reduce pairs: forward, backward, recompute
+                per_layer = fwd * (2 if checkpointing else 1) + bwd
+                per_layer += 2 * passes * self._tp_all_reduce(cfg, layout, mb)
+                head = self.ops.head_forward(cfg, layout.tp, mb) + self.ops.head_backward(cfg, layout.tp, mb)
+                return layers * per_layer + head + 2 * self._stage_send(cfg, layout, mb)
+
+            tokens = self.replica_sequences(layout, w.train_steps) * w.mean_tokens
+            pipeline = (micro_batches + layout.pp - 1) * stage(tokens / micro_batches)  # 1F1B
+            params = rank_params(cfg, layout.pp, layout.tp)
+            grads = self.ops.all_reduce(params * self.precision.grad_bytes, layout.dp_group(layout.ranks[0]))
+            optimizer = self.ops.optimizer(cfg, layout.tp, params)
+            self._cache[key] = w.train_steps * (pipeline + grads + optimizer)
+        return self._cache[key]

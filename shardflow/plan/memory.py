@@ -1,0 +1,125 @@
+"""Bytes a rank needs for a model in a layout: weights, gradients, optimizer state, activations,
+KV cache. Parameter counts come from the sharding spec, per pipeline stage (the stages holding
+the embedding or the LM head are the largest), and a layout is charged its largest rank.
+
+Training keeps bf16 weights, fp32 gradients, fp32 master weights and AdamW moments, as the
+training engine does (``Precision``); activations are the bf16 tensors backward needs, per token and layer, with
+flash attention (no score matrix) and no sequence parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple, Union
+
+from shardflow.models.config import ModelConfig
+from shardflow.parallel.layout import Layout
+from shardflow.parallel.sharding import shard_for, stage_layers
+from shardflow.plan.roofline import head_shape, layer_shape
+
+
+class Shape(NamedTuple):
+    """A layout without its ranks: all that memory depends on (cheap to make for 1000 ranks)."""
+
+    pp: int
+    dp: int
+    tp: int
+
+
+AnyLayout = Union[Layout, Shape]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    param_bytes: int = 2  # bf16 weights
+    grad_bytes: int = 4  # gradients accumulate in a float32 buffer (and are all-reduced in it)
+    optimizer_bytes: int = 12  # fp32 master weights, AdamW m and v
+    activation_bytes: int = 2  # bf16 activations
+    logits_bytes: int = 4  # fp32 logits and log-softmax
+
+    @property
+    def trained_bytes(self) -> int:
+        """Per parameter of a trained model at home."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@lru_cache(maxsize=4096)
+def rank_params(cfg: ModelConfig, pp: int, tp: int) -> int:
+    """Parameters held by the largest rank of any layout with this pp and tp (local shapes,
+    vocabulary padding included): a stage's layers, plus the embedding on the first stage and
+    the final norm and head on the last (counted off the sharding spec of a two-stage split)."""
+    if pp == 1:
+        return sum(t.numel() for t in shard_for(cfg, Layout.contiguous(tp=tp), 0).tensors.values())
+    two = Layout.contiguous(pp=2, tp=tp)
+    ends = [sum(t.numel() for name, t in shard_for(cfg, two, two.rank_at(s, 0, 0)).tensors.items()
+                if not name.startswith("model.layers.")) for s in (0, 1)]
+    per_layer = layer_shape(cfg, tp).params
+    stages = stage_layers(cfg, pp)
+    return max(len(layers) * per_layer + (ends[0] if s == 0 else 0) + (ends[1] if s == pp - 1 else 0)
+               for s, layers in enumerate(stages))
+
+
+def stage_layer_count(cfg: ModelConfig, pp: int) -> int:
+    """Layers of the longest pipeline stage."""
+    return max(len(s) for s in stage_layers(cfg, pp))
+
+
+def weight_bytes(cfg: ModelConfig, layout: AnyLayout, p: Precision) -> float:
+    return rank_params(cfg, layout.pp, layout.tp) * p.param_bytes
+
+
+def trained_state_bytes(cfg: ModelConfig, layout: AnyLayout, p: Precision) -> float:
+    """Weights, gradients and optimizer state of a trained model in its home layout."""
+    return rank_params(cfg, layout.pp, layout.tp) * p.trained_bytes
+
+
+def _stored_per_token_layer(cfg: ModelConfig, tp: int, p: Precision) -> float:
+    # Kept for backward, per token and layer: the two residual inputs and two norm outputs (4h),
+    # q/k/v after RoPE and the attention output (2q + 2kv), and gate, up, SiLU(gate) and the
+    # product fed to down_proj (4 x intermediate), with q/kv/intermediate local to the tp shard.
+    s = layer_shape(cfg, tp)
+    return (4 * s.hidden + 2 * s.q_dim + 2 * s.kv_dim + 4 * s.inter) * p.activation_bytes
+
+
+def _working_per_token_layer(cfg: ModelConfig, tp: int, p: Precision) -> float:
+    # Live at once inside one layer's forward: the residual, a norm output, q/k/v, and gate/up
+    # with their product.
+    s = layer_shape(cfg, tp)
+    return (2 * s.hidden + s.q_dim + 2 * s.kv_dim + 3 * s.inter) * p.activation_bytes
+
+
+def _logits_per_token(cfg: ModelConfig, tp: int, p: Precision) -> float:
+    # fp32 logits and their log-softmax (or gradient), on the last stage's vocabulary slice
+    return 2 * head_shape(cfg, tp).vocab * p.logits_bytes
+
+
+def train_activation_bytes(cfg: ModelConfig, layout: AnyLayout, tokens_per_micro_batch: float, micro_batches: int,
+                           checkpointing: bool, p: Precision) -> float:
+    """Peak activations of a rank under 1F1B: the first stage holds up to pp micro-batches in flight."""
+    layers = stage_layer_count(cfg, layout.pp)
+    in_flight = min(micro_batches, layout.pp)
+    tokens = tokens_per_micro_batch
+    if checkpointing:  # only each layer's input is kept; one layer is recomputed at a time
+        stored = in_flight * tokens * layers * cfg.hidden_size * p.activation_bytes
+        stored += tokens * _stored_per_token_layer(cfg, layout.tp, p)
+    else:
+        stored = in_flight * tokens * layers * _stored_per_token_layer(cfg, layout.tp, p)
+    return stored + tokens * _logits_per_token(cfg, layout.tp, p)
+
+
+def inference_activation_bytes(cfg: ModelConfig, layout: AnyLayout, tokens_per_micro_batch: float,
+                               p: Precision) -> float:
+    """Forward only: one layer's working set and the head's logits for one micro-batch."""
+    per_token = _working_per_token_layer(cfg, layout.tp, p) + _logits_per_token(cfg, layout.tp, p)
+    return tokens_per_micro_batch * per_token
+
+
+def kv_bytes_per_slot(cfg: ModelConfig, tp: int, slot_tokens: int, p: Precision) -> float:
+    """One request's KV cache on one tp rank (keys and values, every layer, sized for the longest
+    sequence as a static cache is)."""
+    return 2 * cfg.num_layers * layer_shape(cfg, tp).kv_dim * slot_tokens * p.activation_bytes
+
+
+def prefill_activation_bytes(cfg: ModelConfig, tp: int, tokens: float, p: Precision) -> float:
+    return tokens * _working_per_token_layer(cfg, tp, p)

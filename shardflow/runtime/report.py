@@ -1,0 +1,60 @@
+"""One iteration's summary, merged from every rank's call reports.
+
+Every rank calls ``merge_reports`` on the same gathered list, so every rank sees the same numbers
+(the adaptive KL controller depends on that). Keys starting with ``_`` carry data for the pictures
+and are not logged.
+"""
+
+from __future__ import annotations
+
+from shardflow.config import ExperimentConfig
+from shardflow.rl.graph import Graph, Kind
+from shardflow.runtime.metrics import rollout_metrics
+
+
+def merge_reports(per_rank: list[dict], graph: Graph, plan, config: ExperimentConfig) -> dict:
+    summary: dict[str, float | dict] = {}
+    spans = [(name, rank, r.span) for rank, reports in enumerate(per_rank) for name, r in reports.items() if r.span]
+    t0 = min((s[0] for _, _, s in spans), default=0.0)
+    t1 = max((s[1] for _, _, s in spans), default=0.0)
+    summary["time/iteration"] = t1 - t0
+    for call in graph.order:
+        reports = [(rank, reports[call.name]) for rank, reports in enumerate(per_rank) if call.name in reports]
+        durations = [r.span[1] - r.span[0] for _, r in reports if r.span]
+        if durations:
+            summary[f"time/{call.name}"] = max(durations)
+        if call.kind is Kind.FUNCTION:
+            continue
+        realloc = [r.metrics.get(f"time/realloc/{call.name}", 0.0) for _, r in reports]
+        summary[f"time/realloc/{call.name}"] = max(realloc, default=0.0)
+        moved = sum(r.metrics.get(f"realloc/{call.name}/bytes", 0.0) for _, r in reports)
+        if moved:
+            summary[f"realloc/{call.name}/gbytes"] = moved / 1e9
+        if call.kind is Kind.GENERATE:
+            # every tp rank of a replica counts the same tokens: count tp index 0 only
+            layout = plan[call.name].layout
+            tokens = sum(r.metrics.get("generation/tokens", 0.0) for rank, r in reports
+                         if rank in layout and layout.coord(rank).tp == 0)
+            seconds = max((r.metrics.get("generation/seconds", 0.0) for _, r in reports), default=0.0)
+            summary["generation/tokens"] = tokens
+            if seconds > 0:
+                summary["generation/tokens_per_s"] = tokens / seconds
+        if call.kind is Kind.TRAIN:
+            # the engine's step metrics are global; the loss stats exist on the last stage only
+            for _, r in reports:
+                for key, value in r.metrics.items():
+                    if key.startswith(f"{call.model}/") and key not in summary:
+                        summary[key] = value
+
+    rollout = {"response_length": [], "prompt_length": [], "reward": []}
+    for reports in per_rank:
+        for r in reports.values():
+            for key in rollout:
+                rollout[key] += r.rollout.get(key, [])
+    if rollout["response_length"]:
+        summary.update(rollout_metrics(rollout["response_length"], rollout["prompt_length"], rollout["reward"],
+                                       max_new_tokens=config.generation.max_new_tokens))
+    summary["_spans"] = [(name, rank, s[0] - t0, s[1] - t0) for name, rank, s in spans]
+    summary["_decode"] = {f"{name} @ rank {rank}": r.decode_steps for rank, reports in enumerate(per_rank)
+                          for name, r in reports.items() if r.decode_steps}
+    return summary

@@ -1,0 +1,71 @@
+"""Rollout statistics, the console line, and the JSONL and TensorBoard files."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from shardflow.runtime.metrics import MetricsLogger, flatten, format_line, rollout_metrics
+
+
+def test_rollout_metrics_by_hand():
+    # responses of 1, 3 and 4 tokens after prompts of 2, 1 and 2; the limit is 4 new tokens
+    m = rollout_metrics([1, 3, 4], [2, 1, 2], [1.0, 0.0, 0.5], max_new_tokens=4)
+    assert m["response_length/mean"] == pytest.approx(8 / 3)
+    assert (m["response_length/max"], m["response_length/min"]) == (4.0, 1.0)
+    assert m["response_length/clip_ratio"] == pytest.approx(1 / 3)
+    assert m["prompt_length/mean"] == pytest.approx(5 / 3)
+    assert m["reward/mean"] == pytest.approx(0.5)
+    assert m["reward/std"] == pytest.approx((0.5 / 3) ** 0.5)  # population std: sqrt((0.25 + 0.25 + 0) / 3)
+    assert (m["reward/min"], m["reward/max"]) == (0.0, 1.0)
+
+
+def test_flatten_and_console_line():
+    flat = flatten({"actor": {"policy_loss": torch.tensor(-0.25), "grad_norm": 1.5}, "reward/mean": 0.5,
+                    "time": {"actor_gen": 2.0, "iteration": 3.25}, "note": "warm"})
+    assert flat == {"actor/policy_loss": -0.25, "actor/grad_norm": 1.5, "reward/mean": 0.5,
+                    "time/actor_gen": 2.0, "time/iteration": 3.25, "note": "warm"}
+    line = format_line(7, {**flat, "response_length/clip_ratio": 0.125, "gen/tokens_per_s": 1234.5678})
+    assert line.startswith("iter 7 reward 0.5 clip 12% pg -0.25 gnorm 1.5 time 3.25s")
+    assert "actor_gen 2s" in line and "gen/tokens_per_s 1235" in line and "note" not in line
+    with pytest.raises(ValueError, match="metric 'x' is a tensor of shape \\(2,\\), not a scalar"):
+        flatten({"x": torch.zeros(2)})
+
+
+def read_scalars(directory) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(directory))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_logger_writes_jsonl_tensorboard_and_console(tmp_path):
+    console = io.StringIO()
+    with MetricsLogger(tmp_path, console=console) as logger:
+        for step in (1, 2, 3):
+            logger.log(step, {"reward/mean": 0.1 * step, "time": {"actor_gen": 1.0}, "plan": "symmetric"})
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3]
+    assert lines[1]["reward/mean"] == pytest.approx(0.2) and lines[1]["plan"] == "symmetric"
+    assert console.getvalue().splitlines()[2].startswith("iter 3 reward 0.3")
+    scalars = read_scalars(tmp_path / "tensorboard")
+    assert [s for s, _ in scalars["reward/mean"]] == [1, 2, 3]
+    assert scalars["reward/mean"][2][1] == pytest.approx(0.3)
+    assert "plan" not in scalars  # text stays in the JSONL
+
+
+def test_resumed_logger_drops_what_came_after_the_checkpoint(tmp_path):
+    with MetricsLogger(tmp_path, console=None) as logger:
+        for step in (1, 2, 3, 4):
+            logger.log(step, {"reward/mean": float(step)})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "rew')  # a line cut by a kill
+    with MetricsLogger(tmp_path, console=None, resume_step=2) as logger:
+        logger.log(3, {"reward/mean": 30.0})
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["reward/mean"]) for r in lines] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert read_scalars(tmp_path / "tensorboard")["reward/mean"] == [(1, 1.0), (2, 2.0), (3, 30.0)]

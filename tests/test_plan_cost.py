@@ -1,0 +1,225 @@
+"""Cost, memory and transfer models against hand-derived formulas and brute force."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from planner_cases import llama, small_problem, tiny
+
+from shardflow.models.config import ModelConfig
+from shardflow.parallel.layout import Layout
+from shardflow.parallel.sharding import shard_for
+from shardflow.plan import memory as mem
+from shardflow.plan.cost import CostModel
+from shardflow.plan.estimate import estimate
+from shardflow.plan.hardware import Cluster
+from shardflow.plan.problem import Choice
+from shardflow.plan.profile import OpCosts, Profile, Table
+from shardflow.plan.transfer import realloc_seconds, received_bytes
+from shardflow.plan.workload import Workload
+
+
+class LinearOps(OpCosts):
+    """Operation costs simple enough to write the call times by hand."""
+
+    def layer_forward(self, cfg, tp, tokens, seqlen):
+        return 1e-6 * tokens / tp
+
+    def layer_backward(self, cfg, tp, tokens, seqlen):
+        return 2e-6 * tokens / tp
+
+    def decode_layer(self, cfg, tp, batch, context):
+        return 1e-4 + 1e-7 * batch * context / tp
+
+    def head_forward(self, cfg, tp, tokens):
+        return 5e-7 * tokens
+
+    def head_backward(self, cfg, tp, tokens):
+        return 1e-6 * tokens
+
+    def optimizer(self, cfg, tp, params):
+        return 1e-12 * params
+
+
+def test_generation_time_by_hand():
+    cfg, P, N, m = llama(), 100, 41, 8
+    w = Workload(prompts=m, prompt_tokens=P, max_new_tokens=N, response_mean=N)  # every response N tokens
+    costs = CostModel(LinearOps(Cluster.for_devices(1)), w)
+    layout = Layout((0,))
+    L = cfg.num_layers
+
+    def step(batch):  # a decode step at the mean context of a wave, tp = 1 (no collectives)
+        return L * (1e-4 + 1e-7 * batch * (P + (N - 1) / 2)) + 5e-7 * batch
+
+    def prefill(requests):
+        return L * 1e-6 * requests * P + 5e-7 * requests
+
+    # all requests in one wave: the prefill gives the first token, N - 1 decode steps follow
+    assert costs.generate(cfg, layout, m) == pytest.approx(prefill(m) + (N - 1) * step(m))
+    # half the slots: two waves, the second admitted when the first finishes
+    assert costs.generate(cfg, layout, m // 2) == pytest.approx(2 * prefill(m // 2) + 2 * (N - 1) * step(m // 2))
+
+
+def test_generation_batch_shrinks_with_skewed_lengths():
+    cfg = llama()
+    skewed = Workload(prompts=64, prompt_tokens=128, max_new_tokens=1024, response_mean=256, response_std=256)
+    even = Workload(prompts=64, prompt_tokens=128, max_new_tokens=1024, response_mean=256)
+    longest = skewed.response_lengths(64)[-1]
+    assert longest > 2 * 256 and skewed.response_lengths(64) == tuple(sorted(skewed.response_lengths(64)))
+    layout = Layout((0,))
+    t_skew = CostModel(LinearOps(Cluster.for_devices(1)), skewed).generate(cfg, layout, 64)
+    t_even = CostModel(LinearOps(Cluster.for_devices(1)), even).generate(cfg, layout, 64)
+    # the tail makes it slower than the mean alone, but far cheaper than everyone running to the tail
+    assert t_even < t_skew
+    full = Workload(prompts=64, prompt_tokens=128, max_new_tokens=1024, response_mean=round(longest))
+    assert t_skew < CostModel(LinearOps(Cluster.for_devices(1)), full).generate(cfg, layout, 64)
+
+
+def test_inference_and_training_time_by_hand():
+    cfg = llama()
+    cluster = Cluster.for_devices(2)
+    w = Workload(prompts=16, prompt_tokens=300, max_new_tokens=200, response_mean=200, train_steps=2)
+    costs = CostModel(LinearOps(cluster), w)
+    tokens = 16 * 500
+    # pp = 2, 4 micro-batches: (4 + 2 - 1) slots of the slowest stage, each with its p2p send
+    layers = mem.stage_layer_count(cfg, 2)
+    mb = tokens / 4
+    send = cluster.intra_node_latency + mb * cfg.hidden_size * 2 / cluster.p2p_bandwidth
+    stage = layers * 1e-6 * mb + 5e-7 * mb + send
+    assert costs.inference(cfg, Layout.contiguous(pp=2), 4) == pytest.approx(5 * stage)
+    # dp = 2, 2 micro-batches, 2 optimizer steps: per step the pipeline, the gradient
+    # all-reduce over the two replicas and the optimizer
+    mb = math.ceil(16 / (2 * 2)) * 500 / 2
+    stage = cfg.num_layers * 3e-6 * mb + 1.5e-6 * mb
+    params = mem.rank_params(cfg, 1, 1)
+    grads = cluster.intra_node_latency + params * 4 / cluster.intra_node_bandwidth  # fp32; 2 (n - 1) / n = 1
+    expected = 2 * (2 * stage + grads + 1e-12 * params)
+    assert costs.train(cfg, Layout.contiguous(dp=2), 2) == pytest.approx(expected)
+
+
+def test_tensor_parallel_adds_two_all_reduces_per_layer():
+    cfg = llama()
+    cluster = Cluster.for_devices(2)
+    w = Workload(prompts=8, prompt_tokens=100, max_new_tokens=100, response_mean=100)
+    costs = CostModel(LinearOps(cluster), w)
+    mb = 8 * 200
+    ar = cluster.intra_node_latency + 2 * (1 / 2) * mb * cfg.hidden_size * 2 / cluster.intra_node_bandwidth
+    expected = cfg.num_layers * (1e-6 * mb / 2 + 2 * ar) + 5e-7 * mb
+    assert costs.inference(cfg, Layout.contiguous(tp=2), 1) == pytest.approx(expected)
+
+
+def test_profile_tables_interpolate_and_override_the_roofline(tmp_path):
+    t = Table((100.0, 200.0, 400.0), ((1.0, 2.0), (2.0, 4.0), (4.0, 8.0)), (10.0, 20.0))
+    assert t(100, 10) == 1.0 and t(400, 20) == 8.0
+    assert t(150, 15) == pytest.approx((1.5 + 3.0) / 2)  # bilinear inside
+    assert t(800, 10) == pytest.approx(8.0)  # extrapolated linearly past the last point
+    assert t(50, 10) == 1.0  # clamped below the first point
+    cfg = llama()
+    profile = Profile(device="test")
+    from shardflow.plan.profile import HeadProfile, LayerProfile, layer_key
+
+    flat = Table((1.0,), ((0.5,),), (1.0,))
+    profile.layers[layer_key(cfg)] = {2: LayerProfile(forward=flat, backward=flat, decode=flat, optimizer_per_param=1e-9)}
+    profile.save(tmp_path / "p.json")
+    ops = OpCosts(Cluster.for_devices(8), Profile.load(tmp_path / "p.json"))
+    assert ops.source(cfg, 2) == "measured" and ops.layer_forward(cfg, 2, 1000, 100) == 0.5
+    # tp = 4 was not measured: the roofline, scaled by measured / roofline at tp = 2
+    roof = OpCosts(Cluster.for_devices(8))
+    assert ops.source(cfg, 4) == "calibrated"
+    scale = 0.5 / roof.layer_forward(cfg, 2, 1000, 100)
+    assert ops.layer_forward(cfg, 4, 1000, 100) == pytest.approx(roof.layer_forward(cfg, 4, 1000, 100) * scale)
+    assert ops.source(llama(hidden=1024), 1) == "roofline"
+    assert HeadProfile  # the head tables follow the same rules
+
+
+def test_rank_params_match_the_sharding_spec():
+    for cfg in (tiny("llama"), tiny("qwen3", tie_word_embeddings=True), tiny("qwen2", num_hidden_layers=5),
+                tiny("llama", value_head=True)):
+        for pp in (1, 2, 3, 4):
+            for tp in (1, 2, 4):
+                layout = Layout.contiguous(pp=pp, tp=tp)
+                brute = max(sum(t.numel() for t in shard_for(cfg, layout, layout.rank_at(s, 0, 0)).tensors.values())
+                            for s in range(pp))
+                assert mem.rank_params(cfg, pp, tp) == brute, (cfg.family, pp, tp)
+
+
+def _masks(cfg: ModelConfig, layout: Layout, rank: int) -> dict[str, np.ndarray]:
+    """Which elements of each full checkpoint tensor a rank holds (a tied head counts as its source)."""
+    out: dict[str, np.ndarray] = {}
+    for t in shard_for(cfg, layout, rank).tensors.values():
+        m = out.setdefault(t.source, np.zeros(t.full_shape, dtype=bool))
+        m[t.full_slices()] = True
+    return out
+
+
+@pytest.mark.parametrize("family,kw", [("llama", {}), ("qwen3", {"tie_word_embeddings": True}),
+                                       ("llama", {"num_key_value_heads": 1})])
+def test_received_bytes_equal_what_is_needed_minus_what_is_held(family, kw):
+    cfg = tiny(family, **kw)
+    pairs = [("d2p1t1@0-1", "d1p1t2@0-1"), ("d1p2t1@0-1", "d1p1t2@0-1"), ("d1p1t4@0-3", "d2p2t1@0-3"),
+             ("d1p2t2@0-3", "d1p1t4@2-5"), ("d4p1t1@0-3", "d1p4t1@4-7"), ("d1p4t1@0-3", "d2p1t2@1-4")]
+    for src_text, dst_text in pairs:
+        src, dst = Layout.parse(src_text), Layout.parse(dst_text)
+        for rank in dst.ranks:
+            need = _masks(cfg, dst, rank)
+            held = _masks(cfg, src, rank) if rank in src else {}
+            brute = sum(int((m & ~held.get(name, np.zeros_like(m))).sum()) for name, m in need.items())
+            assert received_bytes(cfg, src, dst, rank) == 2 * brute, (src_text, dst_text, rank)
+
+
+def test_reallocation_time_uses_the_links():
+    cfg = llama()
+    cluster = Cluster.for_devices(16)  # two nodes of 8
+    a = Layout.contiguous(0, dp=8)
+    assert realloc_seconds(cfg, a, a, cluster) == 0.0
+    same_node = realloc_seconds(cfg, a, Layout.contiguous(0, tp=8), cluster)
+    other_node = realloc_seconds(cfg, a, Layout.contiguous(8, tp=8), cluster)
+    assert other_node > 5 * same_node  # everything crosses the slower inter-node links
+
+
+def test_plans_that_do_not_fit_are_rejected():
+    p = small_problem(devices=4)
+    one = Layout((0,))
+    crowded = (Choice(one), Choice(one, 1), Choice(one, 1))
+    roomy = (Choice(Layout.contiguous(dp=4)), Choice(Layout.contiguous(tp=4), 2), Choice(Layout.contiguous(dp=4), 2))
+    assert estimate(p, crowded).feasible
+    need = estimate(p, crowded).peak_bytes["actor_train"]
+    tight = small_problem(devices=4, memory_gb=need / 1e9)  # 90% of it is usable
+    est = estimate(tight, crowded)
+    assert not est.feasible and est.iteration_s == math.inf
+    assert est.failed_call in ("actor_gen", "ref_inf", "actor_train") and "GB" in est.reason
+    assert estimate(tight, roomy).feasible
+    # a small KV-cache budget: fewer slots than requests, slower generation
+    a = estimate(p, roomy)
+    p.kv_cache_bytes = 0.25 * a.kv_slots["actor_gen"] * mem.kv_bytes_per_slot(p.models["actor"], 1, 768, p.precision)
+    b = estimate(p, roomy)
+    assert a.kv_slots["actor_gen"] == 32 and b.kv_slots["actor_gen"] == 8
+    assert b.call_s["actor_gen"] > 1.5 * a.call_s["actor_gen"]
+
+
+def test_reallocation_time_by_brute_force():
+    # Two nodes of 4: every destination rank gets what it lacks, from its node's source ranks over
+    # NVLink where one holds it, else over the network; the slowest rank sets the time.
+    cfg = tiny("llama", num_key_value_heads=4)
+    cluster = Cluster(num_nodes=2, gpus_per_node=4)
+    pairs = [("d2p1t2@0-3", "d1p2t4@0-7"), ("d1p2t2@2-5", "d2p2t1@0-3"), ("d4p2t1@0-7", "d1p1t4@4-7"),
+             ("d1p4t1@0-3", "d2p1t2@4-7"), ("d1p1t4@0-3", "d2p1t2@0,2,1,3"), ("d2p1t2@4,6,5,7", "d1p2t2@2-5")]
+    for src_text, dst_text in pairs:
+        src, dst = Layout.parse(src_text), Layout.parse(dst_text)
+        worst = 0.0
+        for rank in dst.ranks:
+            need = _masks(cfg, dst, rank)
+            own = _masks(cfg, src, rank) if rank in src else {}
+            node = [r for r in src.ranks if cluster.node_of(r) == cluster.node_of(rank)]
+            near: dict[str, np.ndarray] = {}
+            for r in node:
+                for name, m in _masks(cfg, src, r).items():
+                    near[name] = near.get(name, np.zeros_like(m)) | m
+            missing = sum(int((m & ~own.get(n, np.zeros_like(m))).sum()) for n, m in need.items())
+            remote = sum(int((m & ~near.get(n, np.zeros_like(m))).sum()) for n, m in need.items())
+            worst = max(worst, 2 * (missing - remote) / cluster.p2p_bandwidth + 2 * remote / cluster.inter_node_bandwidth)
+        spans = cluster.node_of(min(src.ranks[0], dst.ranks[0])) != cluster.node_of(max(src.ranks[-1], dst.ranks[-1]))
+        latency = cluster.inter_node_latency if spans else cluster.intra_node_latency
+        assert realloc_seconds(cfg, src, dst, cluster) == pytest.approx(worst + latency), (src_text, dst_text)
