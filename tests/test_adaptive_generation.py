@@ -42,7 +42,7 @@ class TailFavouringSteps:
 
 
 def adaptive_job(world, path: str, start: str, targets: list[str], runs: dict, params: list[dict], samples: int,
-                 engine_kwargs: dict, interval: int, steps=None):
+                 engine_kwargs: dict, interval: int, steps=None, release=False, fuse=False):
     """Each run: a forced schedule {step: (layout, KV mode)}, or None for the policy. The
     reference is the plain engine (``generate_replicated``) in the starting layout."""
     start_l, target_ls = Layout.parse(start), [Layout.parse(t) for t in targets]
@@ -63,6 +63,9 @@ def adaptive_job(world, path: str, start: str, targets: list[str], runs: dict, p
         generator = AdaptiveGenerator(world, model, target_ls, engine_config=config,
                                       eos_token_ids=model.cfg.eos_token_ids,
                                       config=AdaptiveConfig(policy=PolicyConfig(interval=interval)), steps=steps)
+    if fuse:  # what GPU engines decode with: fused q/k/v and gate/up copies, refreshed per generation
+        for m in generator.models.values():
+            m.fuse_projections(True)
     out = {"static": static and [(r.output_ids, r.output_logprobs, r.finish_reason) for r in static],
            "refused": [r.reason for r in generator.refused], "finish_ok": True}
     for name, schedule in runs.items():
@@ -70,6 +73,8 @@ def adaptive_job(world, path: str, start: str, targets: list[str], runs: dict, p
         called = []
         forced = None if schedule is None else {s: (Layout.parse(t), m) for s, (t, m) in schedule.items()}
         done = generator.generate(requests, called.append, schedule=forced)
+        if release:  # as the runtime does between iterations: memory back for training
+            generator.release()
         share = replica_share(requests, start_l.dp, start_l.coord(world.rank).dp)
         out["finish_ok"] &= sorted(r.request_id for r in called) == sorted(r.request_id for r in share)
         if done is not None:
@@ -83,11 +88,11 @@ def adaptive_job(world, path: str, start: str, targets: list[str], runs: dict, p
 
 
 def run(pool, checkpoints, case: str, start: str, targets: list[str], runs: dict, *, params=GREEDY, samples=2,
-        engine_kwargs=None, interval=4, steps=None, family="llama", **ckpt):
+        engine_kwargs=None, interval=4, steps=None, release=False, fuse=False, family="llama", **ckpt):
     path = checkpoints.get(case, family, **ckpt)
     kwargs = dict(max_seq_len=64) | (engine_kwargs or {})
-    results = [r for r in pool.run(adaptive_job, path, start, targets, runs, params, samples, kwargs, interval, steps)
-               if r is not None]
+    results = [r for r in pool.run(adaptive_job, path, start, targets, runs, params, samples, kwargs, interval, steps,
+                                   release, fuse) if r is not None]
     assert all(r["finish_ok"] for r in results), "on_finish must see exactly each rank's starting share"
     [first] = [r for r in results if r["static"] is not None]
     for name in runs:
@@ -154,8 +159,10 @@ def test_a_switch_that_does_not_fit_is_refused_until_it_fits(pool, checkpoints):
 
 
 def test_layouts_that_do_not_nest_reallocate_the_weights(pool, checkpoints):
+    """The target's own weights are filled by reallocation at each switch; between generations the
+    generator releases them with the KV cache, as the runtime does."""
     runs = {"migrate": {2: ("d1p1t4@0-3", "migrate")}, "recompute": {4: ("d1p1t4@0-3", "recompute")}}
-    result = run(pool, checkpoints, "llama", "d2p1t2@0-3", ["d1p1t4@0-3"], runs, params=MIXED)
+    result = run(pool, checkpoints, "llama", "d2p1t2@0-3", ["d1p1t4@0-3"], runs, params=MIXED, release=True)
     for name in runs:
         assert len(result[name]["switches"]) == 1 and result[name]["weight_bytes"][0] > 0
 
@@ -164,9 +171,10 @@ def test_layouts_that_do_not_nest_reallocate_the_weights(pool, checkpoints):
                                          ("qwen3_tied", dict(family="qwen3", tie_word_embeddings=True)),
                                          ("mistral_window", dict(family="mistral"))])
 def test_model_families(pool, checkpoints, case, kwargs):
-    """Biases, a padded vocabulary, tied embeddings and a sliding window through a switch."""
+    """Biases, a padded vocabulary, tied embeddings and a sliding window through a switch, decoding
+    with fused projection copies as GPU engines do."""
     runs = {"migrate": {3: ("d1p1t2@0-1", "migrate")}}
-    result = run(pool, checkpoints, case, "d2p1t1@0-1", ["d1p1t2@0-1"], runs, params=MIXED, **kwargs)
+    result = run(pool, checkpoints, case, "d2p1t1@0-1", ["d1p1t2@0-1"], runs, params=MIXED, fuse=True, **kwargs)
     assert len(result["migrate"]["switches"]) == 1
 
 

@@ -172,8 +172,33 @@ def test_one_rank_generator_refusals_and_bad_schedules(checkpoints):
     done = generator.generate(make_requests(prompts(), params))
     assert [r.output_ids for r in done] == [r.output_ids for r in reference]
     assert generator.last_trace.switches == [] and len(generator.last_trace.refusals) == 1
+    generator.release()  # the KV cache goes, and comes back for the next generation
+    assert generator.engines[L("d1p1t1@0")].cache is None
+    again = generator.generate(make_requests(prompts(), params))
+    assert [r.output_ids for r in again] == [r.output_ids for r in reference]
     for bad in ({-1: (L("d1p1t1@0"), "auto")}, {3: ("d1p1t1@0", "auto")}, {3: (L("d1p1t1@0"), "copy")}):
         with pytest.raises(ValueError, match="a forced switch must be step"):
             generator.generate(make_requests(prompts(), params), schedule=bad)
     with pytest.raises(ValueError, match="leave no room to generate"):
         generator.generate(make_requests([[5] * 70], params))
+
+
+def test_fused_projection_copies_refresh_in_place():
+    """Decoding engines on GPUs read concatenated q/k/v and gate/up copies; refreshing them after the
+    weights change keeps their memory (graphs captured over them stay valid) and their values follow."""
+    cfg = ModelConfig.from_hf_dict(tiny_hf_config("qwen2").to_dict())  # q/k/v biases
+    model = build_model(cfg, shard_for(cfg, L("d1p1t1@0"), 0), None, "cpu", torch.float32)
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    model.fuse_projections(True)
+    attn = model.model.layers["0"].self_attn
+    pointers = (attn.fused_qkv[0].data_ptr(), attn.fused_qkv[1].data_ptr())
+    with torch.no_grad():
+        attn.k_proj.weight.add_(1.0)
+        attn.v_proj.bias.add_(2.0)
+    model.fuse_projections(True)
+    assert (attn.fused_qkv[0].data_ptr(), attn.fused_qkv[1].data_ptr()) == pointers and model.projections_fused
+    assert torch.equal(attn.fused_qkv[0], torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(attn.fused_qkv[1], torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
+    model.fuse_projections(False)
+    assert not model.projections_fused

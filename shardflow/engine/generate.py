@@ -135,6 +135,8 @@ class Engine:
                              f"{first.device} does not fit this model shard ({shard.num_kv_heads} KV heads of "
                              f"{self.model.cfg.head_dim}, {self.dtype} on {self.device})")
         self.cache, self.max_seq_len = cache, cache.max_len + 1
+        if self.device.type == "cuda" and not self.model.projections_fused:  # as reset_cache does
+            self.model.fuse_projections(True)
         self._make_decode()
 
     def _make_decode(self) -> None:

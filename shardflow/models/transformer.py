@@ -229,16 +229,28 @@ class Transformer(nn.Module):
 
         Decoding reads every weight once per token, so one matrix-vector product over the
         concatenation beats three (or two) small ones. The copies are snapshots: refresh them after
-        the weights change. Forward passes that record gradients always use the separate weights.
+        the weights change by calling this again, which rewrites existing copies in place (so that
+        CUDA graphs captured over them stay valid). Forward passes that record gradients always use
+        the separate weights.
         """
-        def cat(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-            bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
-            return torch.cat([m.weight for m in linears]), bias
+        def cat(old, *linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+            weights = [m.weight for m in linears]
+            biases = [m.bias for m in linears] if linears[0].bias is not None else None
+            if old is None:
+                return torch.cat(weights), torch.cat(biases) if biases else None
+            torch.cat(weights, out=old[0])
+            if biases:
+                torch.cat(biases, out=old[1])
+            return old
 
         for layer in self.model.layers.values():
             attn, mlp = layer.self_attn, layer.mlp
-            attn.fused_qkv = cat(attn.q_proj, attn.k_proj, attn.v_proj) if enable else None
-            mlp.fused_gate_up = cat(mlp.gate_proj, mlp.up_proj) if enable else None
+            attn.fused_qkv = cat(attn.fused_qkv, attn.q_proj, attn.k_proj, attn.v_proj) if enable else None
+            mlp.fused_gate_up = cat(mlp.fused_gate_up, mlp.gate_proj, mlp.up_proj) if enable else None
+
+    @property
+    def projections_fused(self) -> bool:
+        return any(layer.self_attn.fused_qkv is not None for layer in self.model.layers.values())
 
     # ----- heads (last stage) -----------------------------------------------------------
 

@@ -50,6 +50,7 @@ from shardflow.engine.requests import Request
 from shardflow.engine.sampling import batch_mode
 from shardflow.models.transformer import Transformer
 from shardflow.parallel.layout import Layout
+from shardflow.parallel.offload import regrow_storage, release_storage
 from shardflow.parallel.realloc_plan import transfer_plan
 from shardflow.parallel.sharding import check_layout, shard_for
 from shardflow.parallel.world import World
@@ -93,6 +94,7 @@ class AdaptiveGenerator:
         if start.pp != 1:
             raise ValueError(f"generation with pipeline parallelism is not supported (layout {start}); use pp=1")
         self.world, self.cfg, self.config = world, cfg, config
+        self.device = next(model.parameters()).device
         self.refused: list[Refusal] = []
         chain = [start]
         for target in targets:
@@ -125,7 +127,10 @@ class AdaptiveGenerator:
                 self.weight_bytes[layout] = max(received.values(), default=0)
 
         # Engines: the start engine owns the KV cache; every rank gets the same number of slots
-        # (admission decisions depend on it), then each target decodes into a regrouped view.
+        # (admission decisions depend on it), then each target decodes into a regrouped view. On
+        # GPUs every engine decodes with fused q/k/v and gate/up copies (``fuse_projections``): the
+        # targets' are made first, so that the cache is sized after them.
+        self._fuse_targets()
         first = Engine(model, engine_config, eos_token_ids=eos_token_ids)
         slots = torch.tensor([first.cache.num_slots], device=first.device)
         if self.group is not None:
@@ -170,6 +175,9 @@ class AdaptiveGenerator:
                 raise ValueError(f"a forced switch must be step (>= 0) -> (Layout, 'auto' | 'migrate' | 'recompute'), "
                                  f"got {step!r} -> {(target, mode)!r}")
         self._ensure_cache()
+        for layout, model in self.models.items():  # the weights may have changed since the last generation
+            if model.projections_fused and layout not in self.weight_bytes:
+                model.fuse_projections(True)  # refreshed in place: captured graphs stay valid
         self._refresh_graphs()
         max_new = max((r.params.max_new_tokens for r in requests), default=1)
         decider = self._decider(max_new) if rank == self.decider_rank and schedule is None else None
@@ -315,6 +323,8 @@ class AdaptiveGenerator:
 
         if target in self.weight_bytes:  # does not nest: the start model's weights, reallocated
             refill(self.world, cfg, self.models[self.chain[0]], target, self.models[target])
+            if self.models[target].projections_fused:
+                self.models[target].fuse_projections(True)
         t1 = time.perf_counter()
 
         active, waiting = old.detach()
@@ -413,18 +423,29 @@ class AdaptiveGenerator:
             self._pointers = pointers
 
     def release(self) -> None:
-        """Free the KV cache (and the graphs reading it) of every layout, e.g. to make room for
-        training between iterations; the next ``generate`` allocates it again."""
+        """Free what generation holds besides the start model: the KV cache and the graphs reading
+        it, the fused projection copies, and the weights of targets reached by reallocation (e.g.
+        to make room for training between iterations). The next ``generate`` makes them again."""
         for engine in self.engines.values():
             engine.release_cache()
+        release_storage(p for layout in self.weight_bytes for p in self.models[layout].parameters())
 
     def _ensure_cache(self) -> None:
         first = self.engines[self.chain[0]]
         if first.cache is not None:
             return
+        for layout in self.weight_bytes:
+            for p in self.models[layout].parameters():
+                regrow_storage(p)  # filled by reallocation at the switch
+        self._fuse_targets()
         first.reset_cache(max_seq_len=first.max_seq_len, kv_cache_bytes=self._kv_budget)
         for layout in self.chain[1:]:
             self.engines[layout].use_cache(first.cache.regroup(self._heads(layout)))
+
+    def _fuse_targets(self) -> None:
+        if self.device.type == "cuda":
+            for layout in self.chain[1:]:
+                self.models[layout].fuse_projections(True)
 
     def _heads(self, layout: Layout) -> int:
         return shard_for(self.cfg, layout, self.world.rank).num_kv_heads
