@@ -187,7 +187,7 @@ def test_the_policy_switches_when_it_pays(pool, checkpoints, tmp_path):
     result = run(pool, checkpoints, "llama", "d2p1t1@0-1", ["d1p1t2@0-1"], runs, params=MIXED,
                  interval=2, steps=TailFavouringSteps())
     for name in runs:
-        trace = GenerationTrace(**{k: v for k, v in result[name]["trace"].items() if k not in ("switches", "refusals")})
+        trace = GenerationTrace.from_dict(result[name]["trace"])
         [(step, target, _, requests)] = result[name]["switches"]
         assert target == "d1p1t2@0-1" and 0 < step < len(trace.active)
         assert requests == trace.active[step] < trace.active[0]  # after the first requests ended

@@ -21,10 +21,11 @@ import torch
 from shardflow.batch import SequenceBatch
 from shardflow.config import ExperimentConfig
 from shardflow.data.prompts import Prompt
+from shardflow.engine.adaptive.generator import AdaptiveGenerator
 from shardflow.engine.generate import Engine, EngineConfig
 from shardflow.engine.inference import infer
 from shardflow.engine.replicas import replica_share
-from shardflow.engine.requests import SamplingParams, derive_seed, make_requests, to_sequence_batch
+from shardflow.engine.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
 from shardflow.models.transformer import Transformer
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.redistribute import redistribute, redistribute_groups, source_holders
@@ -54,6 +55,7 @@ class CallReport:
     rollout: dict[str, list] = field(default_factory=dict)  # per-sequence lists from the holders
     decode_steps: list[tuple[int, float]] = field(default_factory=list)
     span: tuple[float, float] | None = None  # wall-clock start and end on this rank
+    adaptive: dict | None = None  # an adaptive generation's trace (layout's first rank)
 
 
 def is_holder(layout: Layout, rank: int) -> bool:
@@ -123,14 +125,18 @@ def push_outputs(world: World, graph: Graph, plan, call: Call, layout: Layout, o
 # ----- the calls --------------------------------------------------------------------------------
 
 
-def run_generate(world: World, config: ExperimentConfig, engine: Engine, layout: Layout, prompts: list[Prompt],
-                 iteration: int, report: CallReport) -> SequenceBatch | None:
-    """Each replica generates its prompts' groups; the holder keeps the rollouts."""
+def generation_requests(config: ExperimentConfig, prompts: list[Prompt], iteration: int) -> list[Request]:
     gen = config.generation
     params = SamplingParams(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_k=gen.top_k,
                             top_p=gen.top_p, seed=derive_seed(config.run.seed, iteration),
                             stop_token_ids=tuple(gen.stop_token_ids), ignore_eos=gen.force_length)
-    requests = make_requests([p.ids for p in prompts], params, gen.samples_per_prompt)
+    return make_requests([p.ids for p in prompts], params, gen.samples_per_prompt)
+
+
+def run_generate(world: World, config: ExperimentConfig, engine: Engine, layout: Layout, prompts: list[Prompt],
+                 iteration: int, report: CallReport) -> SequenceBatch | None:
+    """Each replica generates its prompts' groups; the holder keeps the rollouts."""
+    requests = generation_requests(config, prompts, iteration)
     c = layout.coord(world.rank)
     mine = replica_share(requests, layout.dp, c.dp)
     engine.reset_cache()
@@ -143,8 +149,33 @@ def run_generate(world: World, config: ExperimentConfig, engine: Engine, layout:
     report.decode_steps = list(engine.stats.decode_steps)
     report.metrics["generation/tokens"] = float(engine.stats.generated_tokens)
     report.metrics["generation/seconds"] = seconds
-    if c.tp != 0:
-        return None
+    return rollouts(mine, prompts) if c.tp == 0 else None
+
+
+def run_generate_adaptive(world: World, config: ExperimentConfig, generator: AdaptiveGenerator, layout: Layout,
+                          prompts: list[Prompt], iteration: int, report: CallReport) -> SequenceBatch | None:
+    """Like ``run_generate``, with the layout changing mid-decode (adaptive TP). Every request ends
+    on ranks that include its starting replica's, so the holders keep the same rollouts; the
+    layout's first rank reports the switches and the active batch per step."""
+    requests = generation_requests(config, prompts, iteration)
+    c = layout.coord(world.rank)
+    start = time.perf_counter()
+    done = generator.generate(requests)
+    seconds = time.perf_counter() - start
+    generator.release()  # the KV cache and fused copies make room for the calls that follow
+    mine = replica_share(requests, layout.dp, c.dp)
+    report.metrics["generation/tokens"] = float(sum(len(r.output_ids) for r in mine))
+    report.metrics["generation/seconds"] = seconds
+    if done is not None:
+        trace = generator.last_trace
+        report.decode_steps = list(zip(trace.active, trace.step_seconds))
+        report.metrics.update(trace.metrics())
+        report.adaptive = trace.to_dict()
+    return rollouts(mine, prompts) if c.tp == 0 else None
+
+
+def rollouts(mine: list[Request], prompts: list[Prompt]) -> SequenceBatch:
+    """A replica's finished requests as the batch its holder keeps."""
     batch = to_sequence_batch(mine)
     groups = [r.group for r in mine]
     return batch.update(seq_fields={"prompt_index": torch.tensor([prompts[g].index for g in groups])},

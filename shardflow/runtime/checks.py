@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from shardflow.config import ExperimentConfig
+from shardflow.engine.adaptive.setup import check_adaptive
 from shardflow.models.config import ModelConfig
 from shardflow.plan.execution_plan import ExecutionPlan, symmetric_plan
-from shardflow.rl.graph import Graph
+from shardflow.rl.graph import Graph, Kind
 from shardflow.rl.graphs import build_graph
 
 # Which model kind each role needs: a value head for critics and reward models.
@@ -60,6 +61,9 @@ def prepare(config: ExperimentConfig) -> Prepared:
     else:
         plan = ExecutionPlan.load(config.plan)
     plan.validate(graph, models, devices)
+    for call in graph.model_calls():
+        if call.kind is Kind.GENERATE:
+            check_adaptive(call.name, plan[call.name], config.generation)
     if plan.num_devices() < devices:
         unused = list(range(plan.num_devices(), devices))
         raise ValueError(f"the plan uses {plan.num_devices()} devices but run.devices={devices}; "

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from shardflow.engine.adaptive.generator import AdaptiveGenerator
+from shardflow.engine.adaptive.setup import adaptive_generator
 from shardflow.engine.generate import Engine
 from shardflow.engine.optimizer import OptimConfig as EngineOptim
 from shardflow.models.checkpoint import save_checkpoint
@@ -29,8 +31,8 @@ from shardflow.rl.graph import Kind
 from shardflow.rl.rewards import reward_function
 from shardflow.runtime import checkpointing
 from shardflow.runtime.calls import (CallReport, Held, communication_groups, engine_config, is_holder, join,
-                                     push_outputs, rollout_lists, run_generate, run_inference,
-                                     run_reward_function, run_train)
+                                     push_outputs, rollout_lists, run_generate, run_generate_adaptive,
+                                     run_inference, run_reward_function, run_train)
 from shardflow.runtime.checks import Prepared
 from shardflow.runtime.models import ModelSlot
 from shardflow.runtime.report import merge_reports
@@ -86,6 +88,8 @@ class Run:
             optim = engine_optim(config, role, updates) if train is not None else None
             self.slots[role] = ModelSlot.load(world, role, spec, prepared.models[role], home, optim=optim)
         self.engines: dict[str, Engine] = {}
+        self.generators: dict[str, AdaptiveGenerator] = {}  # adaptive TP, kept across iterations
+        self._predictor_states: dict[str, dict] = {}  # restored, applied when a generator is built
         if resume_dir is not None:
             self._restore(resume_dir)
 
@@ -113,7 +117,10 @@ class Run:
                 batch = join(inbox.pop(call.name)) if world.rank in layout and call.inputs != ("prompts",) else None
                 out = None
                 if call.kind is Kind.GENERATE:
-                    if model is not None:
+                    if model is not None and config.generation.adaptive_tp:
+                        generator = self._generator(call.name, model, layout, len(prompts))
+                        out = run_generate_adaptive(world, config, generator, layout, prompts, it, report)
+                    elif model is not None:
                         engine = self._engine(call.name, model, layout, len(prompts))
                         out = run_generate(world, config, engine, layout, prompts, it, report)
                 elif call.kind is Kind.INFERENCE:
@@ -145,13 +152,29 @@ class Run:
     def _engine(self, name: str, model, layout, num_prompts: int) -> Engine:
         engine = self.engines.get(name)
         if engine is None or engine.model is not model:
-            eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-            eos += list(self.prepared.models["actor"].eos_token_ids)
             engine = Engine(model, engine_config(self.config, layout, num_prompts, self.world.device),
-                            eos_token_ids=eos)
+                            eos_token_ids=self._eos_ids())
             engine.release_cache()
             self.engines[name] = engine
         return engine
+
+    def _generator(self, name: str, model, layout, num_prompts: int) -> AdaptiveGenerator:
+        """The call's adaptive generator (the plan's tp_targets), built once; collective over the layout."""
+        generator = self.generators.get(name)
+        if generator is None or generator.models[layout] is not model:
+            generator = adaptive_generator(self.world, model, self.plan[name], self.config.generation,
+                                           engine_config=engine_config(self.config, layout, num_prompts,
+                                                                       self.world.device),
+                                           eos_token_ids=self._eos_ids(), call_name=name)
+            generator.release()
+            if name in self._predictor_states and generator.predictor is None:
+                generator.restore_predictor(self._predictor_states[name])
+            self.generators[name] = generator
+        return generator
+
+    def _eos_ids(self) -> list[int]:
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        return eos + list(self.prepared.models["actor"].eos_token_ids)
 
     # ----- checkpoints -----------------------------------------------------------------------------
 
@@ -168,8 +191,10 @@ class Run:
                 save_checkpoint(slot.home_model, slot.cfg, slot.home, world.rank, staging / role,
                                 tokenizer_dir=self.config.models["actor"].path)
         state = {role: slot.engine.state_dict() for role, slot in self.slots.items() if slot.engine is not None}
+        predictors = {name: g.predictor.state_dict() for name, g in self.generators.items() if g.predictor is not None}
         torch.save({"engines": state, "rng": torch.get_rng_state(), "np_rng": np.random.get_state(),
-                    "py_rng": random.getstate()}, staging / f"rank{world.rank:05d}.pt")
+                    "py_rng": random.getstate(), "length_predictors": predictors},
+                   staging / f"rank{world.rank:05d}.pt")
         if world.rank == 0:
             (staging / "state.json").write_text(json.dumps({
                 "iteration": it, "sampler": self.sampler.state_dict(), "kl": self.kl.state_dict()}, indent=2))
@@ -186,6 +211,7 @@ class Run:
         mine = torch.load(path / f"rank{self.world.rank:05d}.pt", weights_only=False)
         for role, engine_state in mine["engines"].items():
             self.slots[role].engine.load_state_dict(engine_state)
+        self._predictor_states = mine.get("length_predictors", {})
         torch.set_rng_state(mine["rng"])
         np.random.set_state(mine["np_rng"])
         random.setstate(mine["py_rng"])
@@ -193,6 +219,7 @@ class Run:
 
 def train_rank(world: World, prepared: Prepared) -> None:
     from shardflow.runtime.metrics import MetricsLogger, format_line
+    from shardflow.engine.adaptive.trace import GenerationTrace, plot_trace
     from shardflow.runtime.pictures import draw_generation, draw_timeline
 
     run = Run(world, prepared)
@@ -221,3 +248,6 @@ def train_rank(world: World, prepared: Prepared) -> None:
         if last is not None:
             draw_timeline(last["_spans"], run.out_dir / "timeline.png")
             draw_generation(last["_decode"], run.out_dir / "generation.png")
+            for name, trace in last.get("_adaptive", {}).items():
+                plot_trace(GenerationTrace.from_dict(trace), run.out_dir / f"generation_{name}_adaptive.png",
+                           f"{name}: active batch and layout per decode step (last iteration)")

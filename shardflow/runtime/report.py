@@ -39,6 +39,10 @@ def merge_reports(per_rank: list[dict], graph: Graph, plan, config: ExperimentCo
             summary["generation/tokens"] = tokens
             if seconds > 0:
                 summary["generation/tokens_per_s"] = tokens / seconds
+            for _, r in reports:  # adaptive TP: the layout's first rank reports its switches
+                summary.update({k: v for k, v in r.metrics.items() if k.startswith("adaptive/")})
+                if r.adaptive is not None:
+                    summary.setdefault("_adaptive", {})[call.name] = r.adaptive
         if call.kind is Kind.TRAIN:
             # the engine's step metrics are global; the loss stats exist on the last stage only
             for _, r in reports:

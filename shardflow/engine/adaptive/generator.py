@@ -297,6 +297,12 @@ class AdaptiveGenerator:
         return Decider(cfg=self.cfg, chain=self.chain, steps=self.steps, costs=self.costs, predictor=self.predictor,
                        config=self.config.policy, kv_mode=self.config.kv_mode, weight_bytes=self.weight_bytes)
 
+    def restore_predictor(self, state: dict) -> None:
+        """Length history of an earlier run (``predictor.state_dict()``), e.g. on resume."""
+        self.predictor = LengthPredictor(max_len=int(state["max_len"]), max_samples=self.config.max_samples,
+                                         prior_weight=self.config.prior_weight)
+        self.predictor.load_state_dict(state)
+
     def _new_graphs(self, layout: Layout, batch: float) -> int:
         """Decode graphs a switch to ``layout`` at this batch would capture (one sampling mode)."""
         engine = self.engines[layout]

@@ -42,6 +42,8 @@ class Refusal:
 
 @dataclass(kw_only=True)
 class GenerationTrace:
+    """One generation; ``from_dict(to_dict())`` round-trips."""
+
     layouts: list[str]  # the chain: start, then targets
     active: list[int] = field(default_factory=list)  # requests decoded at each step, all replicas
     layout_index: list[int] = field(default_factory=list)  # index into ``layouts`` at each step
@@ -55,16 +57,21 @@ class GenerationTrace:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "GenerationTrace":
+        return cls(**{**raw, "switches": [SwitchRecord(**s) for s in raw.get("switches", [])],
+                      "refusals": [Refusal(**r) for r in raw.get("refusals", [])]})
+
     def metrics(self) -> dict[str, float]:
+        """Scalars for the run's metrics log (``adaptive/...``)."""
         single = sum(1 for a in self.active if a == 1)
         return {
-            "gen/wall_s": self.wall_seconds,
-            "gen/decode_steps": float(len(self.active)),
-            "gen/steps_with_one_request_frac": single / max(len(self.active), 1),
-            "gen/switches": float(len(self.switches)),
-            "gen/switch_s": sum(s.total_s for s in self.switches),
-            "gen/switch_refusals": float(len(self.refusals)),
-            "gen/decision_s": self.decision_seconds,
+            "adaptive/decode_steps": float(len(self.active)),
+            "adaptive/steps_with_one_request_frac": single / max(len(self.active), 1),
+            "adaptive/switches": float(len(self.switches)),
+            "adaptive/switch_s": sum(s.total_s for s in self.switches),
+            "adaptive/switch_refusals": float(len(self.refusals)),
+            "adaptive/decision_s": self.decision_seconds,
         }
 
 
