@@ -13,8 +13,8 @@ max_new_tokens only through the batch's largest one (its length limit).
 
 With two GPUs (measured): decode step times per (batch, context) for tp=1 and tp=2 (NCCL), which
 feed the policy; then, all in one run, static d2t1, static d1t2, adaptive (d2t1 -> d1t2 when the
-policy predicts it pays), and forced switches at several steps (the best of them is the hindsight
-optimum), with each switch's cost by part.
+policy predicts it pays), and forced switches at several steps (the best of them, or never switching,
+is the hindsight optimum), with each switch's cost by part.
 With one GPU (partly simulated): decode step times for tp=1 and for a tp=2 shard without its
 collectives (measured), the collectives modelled (NVLink latency and bandwidth), and every
 strategy simulated on the forced-length timeline from those step times; the switch costs are
@@ -173,6 +173,7 @@ def simulated(cfg, lengths, history, prompt: int, steps_model, costs, slots: int
                                 decider=decider, interval=interval)}
     sweep = {s: simulate(requests, [START, TARGET], slots=slots, steps=steps_model, costs=costs,
                          schedule={s: TARGET}, interval=interval) for s in range(0, max(lengths), 4 * interval)}
+    sweep[None] = out["static d2t1"]  # never switching is a choice too
     best = min(sweep, key=lambda s: sweep[s].seconds)
     out["hindsight"] = sweep[best]
     result = {name: dict(seconds=r.seconds, decode_steps=r.steps, switches=r.switches) for name, r in out.items()}
@@ -281,9 +282,10 @@ def compare(world: World, args: dict) -> None:
             forced[step]["switches"] = [vars(s) for s in generator.last_trace.switches]
     if world.rank != 0:
         return
-    best = min(forced, key=lambda s: forced[s]["seconds"]) if forced else None
-    runs["hindsight"] = dict(forced[best], switch_step=best) if forced else None
     runs["forced"] = {str(s): v["seconds"] for s, v in forced.items()}
+    forced[None] = runs["static d2t1"]  # never switching is a choice too
+    best = min(forced, key=lambda s: forced[s]["seconds"])
+    runs["hindsight"] = dict(forced[best], switch_step=best)
 
     # 4. the same strategies simulated from the measured step times (a check on the model)
     slots = generator.engines[START].cache.num_slots
@@ -416,8 +418,10 @@ def finish(report: dict, out: Path) -> None:
         m = (measured or {}).get(name) or {}
         s = sim.get(name) or {}
         steps = [w["step"] for w in (m.get("switches") or s.get("switches") or []) if "step" in w]
-        print(f"| {name} | {m.get('seconds', float('nan')):.2f} | {s.get('seconds', float('nan')):.2f} | "
-              f"{m.get('switch_step', s.get('switch_step', steps))} |")
+        if name == "hindsight":
+            best = m.get("switch_step", s.get("switch_step")) if m else s.get("switch_step")
+            steps = "never" if best is None else best
+        print(f"| {name} | {m.get('seconds', float('nan')):.2f} | {s.get('seconds', float('nan')):.2f} | {steps} |")
     for label in ("measured", "simulated"):
         t = report.get(f"{label}_targets")
         if t:
