@@ -276,7 +276,8 @@ def compare(world: World, args: dict) -> None:
     candidates = _broadcast_list(world, candidates)
     forced = {}
     for step in candidates:
-        done = timed_run(f"forced at step {step}", lambda reqs: generator.generate(reqs, schedule={step: (TARGET, "auto")}))
+        done = timed_run(f"forced at step {step}",
+                         lambda reqs: generator.generate(reqs, schedule={step: (TARGET, "auto")}))
         if done is not None:
             forced[step] = runs.pop(f"forced at step {step}")
             forced[step]["switches"] = [vars(s) for s in generator.last_trace.switches]
@@ -369,7 +370,8 @@ def single_gpu(args: dict) -> None:
     tables, prefill = {}, {}
     for tp, m, grid in ((1, full, batches), (2, half, tuple(batches) + (2 * max(batches),))):
         engine = Engine(m, probe)
-        print(f"[{time.time() - start_time:4.0f}s] measuring decode steps tp={tp} (collectives not included)", flush=True)
+        print(f"[{time.time() - start_time:4.0f}s] measuring decode steps tp={tp} (collectives not included)",
+              flush=True)
         tables[tp] = measure_steps(engine, [b for b in grid if b <= engine.cache.num_slots], contexts, timed)
         prefill[tp] = measure_prefill(engine, min(8, engine.cache.num_slots), min(contexts))
         capture = graph_capture_seconds(engine, 1)

@@ -130,7 +130,8 @@ def test_measured_tables_interpolate_and_fall_back(tmp_path):
     assert steps.decode(2, np.array([1]), np.array([0]))[0] == pytest.approx(
         roofline.decode(2, np.array([1]), np.array([0]))[0] * ratio)
     with_comm = TableStepTime({1: table, 2: table}, roofline, add_comm=True)
-    assert with_comm.decode(2, np.array([1]), np.array([0]))[0] == pytest.approx(1.0 + roofline.comm(2, np.array([1]))[0])
+    one = (np.array([1]), np.array([0]))
+    assert with_comm.decode(2, *one)[0] == pytest.approx(1.0 + roofline.comm(2, np.array([1]))[0])
     assert with_comm.prefill(2, 1000, 100) == roofline.prefill(2, 1000, 100)  # not measured: the roofline
     with_comm.prefill_per_token[2] = 1e-5
     assert with_comm.prefill(2, 1000, 100) == pytest.approx(1e-2 + roofline.comm(2, np.array(1000)))

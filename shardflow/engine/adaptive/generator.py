@@ -171,7 +171,8 @@ class AdaptiveGenerator:
                 raise RuntimeError("an engine still holds requests from an interrupted generation")
         _check_requests(requests, engine.max_seq_len)
         for step, (target, mode) in (schedule or {}).items():
-            if not isinstance(step, int) or step < 0 or not isinstance(target, Layout) or mode not in ("auto", *KV_MODES):
+            if not (isinstance(step, int) and step >= 0 and isinstance(target, Layout)
+                    and mode in ("auto", *KV_MODES)):
                 raise ValueError(f"a forced switch must be step (>= 0) -> (Layout, 'auto' | 'migrate' | 'recompute'), "
                                  f"got {step!r} -> {(target, mode)!r}")
         self._ensure_cache()
@@ -380,8 +381,8 @@ class AdaptiveGenerator:
             trace.switches.append(SwitchRecord(
                 step=step, source=str(layout), target=str(target), kv_mode=mode, requests=len(merged),
                 weights_s=t1 - t0, requests_s=t2 - t1, kv_s=t3 - t2, groups_s=0.0, graphs_s=t4 - t3,
-                total_s=t4 - t0, weight_bytes=self.weight_bytes.get(target, 0), kv_bytes=kv_bytes, extra_bytes_bound=extra,
-                peak_extra_bytes=peak,
+                total_s=t4 - t0, weight_bytes=self.weight_bytes.get(target, 0), kv_bytes=kv_bytes,
+                extra_bytes_bound=extra, peak_extra_bytes=peak,
                 predicted_saving_s=decision.saving_s if decision else None,
                 predicted_cost_s=decision.cost.total if decision and decision.cost else None))
             logger.info("adaptive TP: step %d, %s -> %s (%s KV, %d requests) in %.1f ms", step, layout, target,

@@ -2,10 +2,11 @@
 
 Used to test the switch policy where the right answer is known, and by the benchmark to build
 timelines from measured step times where the hardware to run them is missing. It follows the
-engine's rules: prompts dealt to replicas round-robin, first come first served admission into
-free KV slots (merged replicas queue their waiting requests in submission order), a prefill that yields each request's first token, one token per request per
-decode step, replicas decoding independently and meeting at every decision point (where the
-generator gathers their state), a switch merging replicas' requests (and their free KV room).
+engine's rules: prompts dealt to replicas round-robin; first come first served admission into free
+KV slots (merged replicas queue their waiting requests in submission order); a prefill that yields
+each request's first token; one token per request per decode step; replicas decoding independently
+and meeting at every decision point (where the generator gathers their state); a switch merging
+replicas' requests and their free KV room.
 Every figure it produces is a simulation.
 """
 

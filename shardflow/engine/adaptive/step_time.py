@@ -69,7 +69,8 @@ class RooflineStepTime:
         """(GEMM parameters per rank, KV elements per token per rank, query width per rank)."""
         if tp not in self._shapes:
             shard = shard_for(self.cfg, Layout.contiguous(tp=tp), 0)
-            params = sum(t.numel() for name, t in shard.tensors.items() if name != EMBED or self.cfg.tie_word_embeddings)
+            read = [t for name, t in shard.tensors.items() if name != EMBED or self.cfg.tie_word_embeddings]
+            params = sum(t.numel() for t in read)  # the embedding is read row by row, unless tied to the head
             kv = 2 * len(shard.layers) * shard.num_kv_heads * self.cfg.head_dim
             self._shapes[tp] = (params, kv, shard.num_heads * self.cfg.head_dim)
         return self._shapes[tp]

@@ -96,8 +96,8 @@ def plot_trace(trace: GenerationTrace, path: str | Path, title: str = "") -> Pat
     ax.plot(steps, trace.active, color="black", lw=1)
     for s in trace.switches:
         ax.axvline(s.step, color="red", lw=1, ls="--")
-        ax.annotate(f"{s.source} -> {s.target}\n{s.kv_mode}, {s.total_s * 1e3:.0f} ms", (s.step, max(trace.active or [1])),
-                    fontsize=7, ha="left", va="top", color="red")
+        ax.annotate(f"{s.source} -> {s.target}\n{s.kv_mode}, {s.total_s * 1e3:.0f} ms",
+                    (s.step, max(trace.active or [1])), fontsize=7, ha="left", va="top", color="red")
     ax.set_xlabel("decode step")
     ax.set_ylabel("active requests")
     ax.set_title(title or "generation: active batch and layout per decode step")
