@@ -91,8 +91,8 @@ class GenerationConfig:
     adaptive_margin: float = _f(0.25, "adaptive TP: switch when the predicted saving exceeds the switch cost by "
                                       "this fraction of it")
     adaptive_kv: str = _f("auto", "adaptive TP: KV caches of moved requests: auto (cost model) | migrate | recompute")
-    adaptive_step_times: str = _f("", "adaptive TP: measured decode step times (JSON written by "
-                                      "bench/adaptive_tp.py); empty: the roofline")
+    adaptive_step_times: str = _f("", "adaptive TP: decode step times, a profile from 'shardflow profile' or "
+                                      "bench/adaptive_tp.py's decode_steps.json; empty: the roofline")
 
     def check(self, where: str) -> None:
         _positive(f"{where}.adaptive_interval", self.adaptive_interval)

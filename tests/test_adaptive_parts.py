@@ -202,3 +202,37 @@ def test_fused_projection_copies_refresh_in_place():
     assert torch.equal(attn.fused_qkv[1], torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
     model.fuse_projections(False)
     assert not model.projections_fused
+
+
+def test_step_times_from_a_planner_profile_or_measured_steps(tmp_path):
+    import numpy as np
+
+    from shardflow.engine.adaptive.setup import step_times
+    from shardflow.engine.adaptive.step_time import Hardware, LayerStepTime, RooflineStepTime, TableStepTime
+    from shardflow.plan.profile import LayerProfile, Profile, Table, layer_key
+
+    cfg = tiny()
+    flat = Table((1.0,), (1.0,))
+    layers = {tp: LayerProfile(forward=flat, backward=flat, optimizer_per_param=1e-12,
+                               decode=Table((1.0, 8.0), ((1e-4 * tp, 2e-4 * tp), (3e-4 * tp, 4e-4 * tp)),
+                                            (10.0, 100.0)))
+              for tp in (1, 2)}
+    Profile(device="test", rates={"p2p_bandwidth": 1e11, "intra_node_latency": 2e-5},
+            layers={layer_key(cfg): layers}).save(tmp_path / "profile.json")
+    steps, hardware = step_times(str(tmp_path / "profile.json"), cfg, 4)
+    assert isinstance(steps, LayerStepTime) and hardware.p2p_bandwidth == 1e11
+    assert hardware.collective_latency == 2e-5
+    roofline = RooflineStepTime(cfg, hardware, dtype_bytes=4)
+    head = shard_for(cfg, L("d1p1t2@0-1"), 0).vocab_size * 64 * 4 / hardware.hbm_bandwidth
+    expected = 4 * 1e-4 * 2 + head + hardware.step_overhead + roofline.comm(2, np.array([1.0]))[0]
+    assert steps.decode(2, np.array([1.0]), np.array([10.0]))[0] == pytest.approx(expected)
+
+    TableStepTime({}, roofline).save(tmp_path / "steps.json")
+    steps, hardware = step_times(str(tmp_path / "steps.json"), cfg, 4)
+    assert isinstance(steps, TableStepTime) and hardware == Hardware()
+    assert isinstance(step_times("", cfg, 2)[0], RooflineStepTime)
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ValueError, match="broken.json is not valid JSON"):
+        step_times(str(tmp_path / "broken.json"), cfg, 2)
+    with pytest.raises(FileNotFoundError, match="missing.json does not exist"):
+        step_times(str(tmp_path / "missing.json"), cfg, 2)
