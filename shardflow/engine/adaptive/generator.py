@@ -132,14 +132,8 @@ class AdaptiveGenerator:
         # targets' are made first, so that the cache is sized after them.
         self._fuse_targets()
         first = Engine(model, engine_config, eos_token_ids=eos_token_ids)
-        slots = torch.tensor([first.cache.num_slots], device=first.device)
-        if self.group is not None:
-            dist.all_reduce(slots, op=dist.ReduceOp.MIN, group=self.group)  # the smallest cache sets the slots
-        per_slot = bytes_per_slot(model.shard, cfg, first.max_seq_len - 1, first.dtype)
-        self._kv_budget = (int(slots) + 1) * per_slot
-        if int(slots) < first.cache.num_slots:
-            first.reset_cache(max_seq_len=first.max_seq_len, kv_cache_bytes=self._kv_budget)
         self.engines: dict[Layout, Engine] = {start: first}
+        self._equal_slots()
         for layout in chain[1:]:
             config_l = dataclasses.replace(engine_config, compile=engine_config.compile and layout.tp == 1)
             self.engines[layout] = Engine(self.models[layout], config_l, eos_token_ids=eos_token_ids,
@@ -438,6 +432,7 @@ class AdaptiveGenerator:
         release_storage(p for layout in self.weight_bytes for p in self.models[layout].parameters())
 
     def _ensure_cache(self) -> None:
+        """After ``release``: the cache again, sized from the memory free now (collective)."""
         first = self.engines[self.chain[0]]
         if first.cache is not None:
             return
@@ -445,9 +440,21 @@ class AdaptiveGenerator:
             for p in self.models[layout].parameters():
                 regrow_storage(p)  # filled by reallocation at the switch
         self._fuse_targets()
-        first.reset_cache(max_seq_len=first.max_seq_len, kv_cache_bytes=self._kv_budget)
+        first.reset_cache(max_seq_len=first.max_seq_len)
+        self._equal_slots()
         for layout in self.chain[1:]:
             self.engines[layout].use_cache(first.cache.regroup(self._heads(layout)))
+
+    def _equal_slots(self) -> None:
+        """Give every rank as many KV slots as the rank with the fewest: admission decisions, taken
+        by each rank alone, must agree within a replica and in the fit checks."""
+        first = self.engines[self.chain[0]]
+        slots = torch.tensor([first.cache.num_slots], device=first.device)
+        if self.group is not None:
+            dist.all_reduce(slots, op=dist.ReduceOp.MIN, group=self.group)
+        if int(slots) < first.cache.num_slots:
+            per_slot = bytes_per_slot(first.model.shard, self.cfg, first.max_seq_len - 1, first.dtype)
+            first.reset_cache(max_seq_len=first.max_seq_len, kv_cache_bytes=(int(slots) + 1) * per_slot)
 
     def _fuse_targets(self) -> None:
         if self.device.type == "cuda":
