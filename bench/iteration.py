@@ -173,6 +173,34 @@ def run_trl(work: Path, steps: int) -> dict:
     return {**result, "median_step_s": statistics.median(steady), "process_wall_s": time.perf_counter() - start}
 
 
+def planner_estimates(work: Path, ours: dict, workload: dict) -> dict:
+    """The planner's estimate of each call of this very run (a profile measured now, on this
+    device, then the cost model), against the run's measured median call times."""
+    from shardflow.config import load_config
+    from shardflow.plan.estimate import estimate, from_execution_plan
+    from shardflow.plan.execution_plan import ExecutionPlan
+    from shardflow.plan.hardware import Cluster
+    from shardflow.plan.problem import problem_from_config
+    from shardflow.plan.profiler import run_profile
+
+    profile_path = work / "profile.json"
+    profile = run_profile(str(work / "model"), str(profile_path), tps="1", quick=True, ranks=1,
+                          cuda_graphs=torch.cuda.is_available(), echo=lambda *a: None)
+    config = load_config(work / "shardflow.yaml")
+    problem = problem_from_config(config, Cluster.for_devices(1), profile=profile,
+                                  prompt_tokens=workload["prompt_tokens"],
+                                  response_mean=float(workload["response_tokens"]), response_std=0.0)
+    plan = ExecutionPlan.from_dict(yaml.safe_load((work / "shardflow-run" / "plan.yaml").read_text()))
+    est = estimate(problem, from_execution_plan(problem, plan))
+    rows = {}
+    for call, measured in ours["phases_s"].items():
+        if call in est.call_s:
+            rows[call] = {"estimated_s": est.call_s[call], "measured_s": measured,
+                          "relative_error": (est.call_s[call] - measured) / measured}
+    return {"calls": rows, "estimated_iteration_s": est.iteration_s, "feasible": est.feasible,
+            "reason": est.reason}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
@@ -191,10 +219,14 @@ def main() -> None:
         bandwidth, flops = measure_rates(device)
         roof = rooflines(shape, workload, bandwidth, flops)
         ours = run_shardflow(work, workload, args.iterations)
+        try:
+            planner = planner_estimates(work, ours, workload)
+        except Exception as e:  # noqa: BLE001 - keep the measurements if the estimate fails
+            planner = {"error": f"{type(e).__name__}: {e}"}
         trl = None if args.skip_trl else run_trl(work, args.trl_steps)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "shape": shape, "workload": workload, "roofline": roof,
-              "shardflow": ours, "trl": trl}
+              "shardflow": ours, "planner": planner, "trl": trl}
     (out / "iteration.json").write_text(json.dumps(result, indent=2))
 
     print(f"\nGRPO iteration, {result['device']}: {workload['prompts']} prompts x {workload['samples_per_prompt']} "
@@ -208,6 +240,11 @@ def main() -> None:
     if trl is not None:
         print(f"| TRL GRPOTrainer | {trl['median_step_s']:.2f} |  |  | {total_roof:.2f} |")
         print(f"speed-up over TRL: {trl['median_step_s'] / ours['median_iteration_s']:.2f}x")
+    for call, row in planner.get("calls", {}).items():
+        print(f"planner estimate {call}: {row['estimated_s']:.2f} s vs measured {row['measured_s']:.2f} s "
+              f"({100 * row['relative_error']:+.0f}%)")
+    if "error" in planner:
+        print(f"planner estimate failed: {planner['error']}")
     print(f"rooflines: generation {roof['generation_s']:.2f} s, training {roof['training_s']:.2f} s "
           f"(HBM {roof['bandwidth_gb_s']:.0f} GB/s, bf16 {roof['matrix_tflops']:.0f} TFLOP/s measured)")
 
