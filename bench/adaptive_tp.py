@@ -172,7 +172,7 @@ def simulated(cfg, lengths, history, prompt: int, steps_model, costs, slots: int
            "adaptive": simulate(requests, [START, TARGET], slots=slots, steps=steps_model, costs=costs,
                                 decider=decider, interval=interval)}
     sweep = {s: simulate(requests, [START, TARGET], slots=slots, steps=steps_model, costs=costs,
-                         schedule={s: TARGET}, interval=interval) for s in range(0, max(lengths), 4 * interval)}
+                         schedule={s: TARGET}, interval=interval) for s in range(0, max(lengths), 8 * interval)}
     sweep[None] = out["static d2t1"]  # never switching is a choice too
     best = min(sweep, key=lambda s: sweep[s].seconds)
     out["hindsight"] = sweep[best]
@@ -378,6 +378,8 @@ def single_gpu(args: dict) -> None:
         engine.release_cache()
         del engine
     del half
+    if cuda:
+        torch.cuda.empty_cache()  # the shard's memory back to the device, for the cache sizing below
     item = torch.empty((), dtype=dtype).element_size()
     steps_model = TableStepTime(tables, RooflineStepTime(cfg, dtype_bytes=item), add_comm=True,
                                 prefill_per_token=prefill)
