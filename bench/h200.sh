@@ -19,13 +19,13 @@ run() {  # name, time limit, command...
 }
 case $PART in
   a)
-    run generation 300 python3 bench/generation.py --steps 24 --hf-steps 16
-    run adaptive 150 python3 bench/adaptive_tp.py
-    run planner_accuracy 120 python3 bench/planner_accuracy.py
+    run generation 260 python3 bench/generation.py --steps 24 --hf-steps 16
+    run adaptive 120 python3 bench/adaptive_tp.py
+    run planner_accuracy 90 python3 bench/planner_accuracy.py
     ;;
   b)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
       && export PYTHONPATH=$PYTHONPATH:/tmp/site
-    run iteration 560 python3 bench/iteration.py --iterations 3 --trl-steps 3
+    run iteration 480 python3 bench/iteration.py --iterations 3 --trl-steps 3
     ;;
 esac
