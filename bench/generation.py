@@ -249,6 +249,10 @@ def main() -> None:
                         torch=torch.__version__, dtype=str(dtype), shape=shape, compile=compile_, steps=steps)
     t0 = time.perf_counter()
 
+    def save() -> None:  # after every section, so a run cut short still leaves what it measured
+        report["seconds"] = time.perf_counter() - t0
+        (out / "generation.json").write_text(json.dumps(report, indent=2))
+
     report["bandwidth_gb_per_s"] = measure_bandwidth(device, 0.25 if tiny else 4.0) / 1e9
     bandwidth = report["bandwidth_gb_per_s"] * 1e9
     print(f"device {report['device']}: copy bandwidth {report['bandwidth_gb_per_s']:.0f} GB/s")
@@ -265,6 +269,7 @@ def main() -> None:
     for name, p in report["parity"].items():
         print(f"parity {name}: {p['identical_tokens']}/{p['tokens']} greedy tokens identical to the plain path, "
               f"worst argmax margin {p['worst_argmax_margin']:.3g} -> {'ok' if p['ok'] else 'FAILED'}")
+    save()
 
     print(f"[{time.perf_counter() - t0:.0f}s] decode attention alone")
     cfg = llama_config(shape)
@@ -273,6 +278,7 @@ def main() -> None:
     for row in report["attention"]:
         print(f"decode attention batch {row['batch']:>3} context {row['context']:>5}: {row['us']:8.1f} us "
               f"{row['gb_per_s']:7.1f} GB/s ({row['fraction_of_bandwidth']:.0%} of copy bandwidth)")
+    save()
 
     print(f"[{time.perf_counter() - t0:.0f}s] engine on random weights (compile={compile_})")
     model = random_model(cfg, device, dtype)
@@ -280,7 +286,7 @@ def main() -> None:
                                         kv_cache_bytes=(2 * bytes_per_slot(model.shard, cfg, max(contexts) + steps,
                                                                            dtype)),
                                         compile=compile_))
-    rows, skipped = [], []
+    rows, skipped = report["engine"], report["skipped"] = [], []
     for context in contexts:
         for batch in batches:
             need = (batch + 1) * bytes_per_slot(model.shard, cfg, context + steps, dtype)
@@ -296,7 +302,7 @@ def main() -> None:
             print(f"batch {batch:>3} context {context:>5}: {row['ms_per_step']:7.2f} ms/step "
                   f"{row['gb_per_s']:6.1f} GB/s, roofline {row['roofline_ms']:6.2f} ms "
                   f"({row['vs_roofline']:.2f}x), {row['tokens_per_s']:8.0f} tokens/s")
-    report["engine"], report["skipped"] = rows, skipped
+            save()
     engine.release_cache()
     del engine
 
@@ -308,9 +314,8 @@ def main() -> None:
         row["speedup"] = row["ms_per_step"] / ours["ms_per_step"] if ours else None
         print(f"transformers batch {row['batch']:>3} context {row['context']:>5}: {row['ms_per_step']:7.2f} ms/step"
               + (f" (engine speedup {row['speedup']:.1f}x)" if ours else ""))
-    report["seconds"] = time.perf_counter() - t0
+    save()
     print_table(report)
-    (out / "generation.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {out / 'generation.json'} in {report['seconds']:.0f}s")
     if not all(p["ok"] for p in report["parity"].values()):
         sys.exit("parity check FAILED: the fast path disagrees with the plain path")

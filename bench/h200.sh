@@ -1,30 +1,41 @@
 #!/usr/bin/env bash
 # The single-GPU benchmarks of BENCHMARKS.md, in two parts that each fit a 10-minute window:
-#   bench/h200.sh OUT a   generation, adaptive TP (one-GPU parts), planner accuracy
-#   bench/h200.sh OUT b   one GRPO iteration against TRL (TRL and its needs installed from .whl/)
-# Each script's JSON and log land flat in OUT.
+#   bench/h200.sh OUT a   generation, adaptive TP (one-GPU parts), planner accuracy, then short
+#                         checks of part b's scripts (tiny shapes) so that b's window is not lost
+#   bench/h200.sh OUT b   one GRPO iteration against TRL, and the training step on one GPU
+# TRL and what it needs beside the machine's packages are installed from .whl/ when present.
+# Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
 OUT=${1:?usage: bench/h200.sh OUT a|b}
 PART=${2:?usage: bench/h200.sh OUT a|b}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORK=$(mktemp -d)
-run() {  # name, time limit, files to keep (comma-separated), command...
+LOG=$OUT/log.txt
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+run() {  # name, time limit in seconds, files to keep (comma-separated), command...
   local name=$1 limit=$2 keep=$3; shift 3
-  echo "== $name ($(date +%T))"
-  timeout "$limit" "$@" --out "$WORK/$name" > "$OUT/$name.log" 2>&1
-  echo "$name exit $?"
-  for f in ${keep//,/ }; do cp "$WORK/$name/$f" "$OUT/" 2>/dev/null; done  # few files come back
-  tail -25 "$OUT/$name.log"
+  echo "== $name ($(date +%T), limit ${limit}s): $*" | tee -a "$LOG"
+  timeout "$limit" "$@" --out "$WORK/$name" >> "$LOG" 2>&1
+  echo "== $name exit $? ($(date +%T))" | tee -a "$LOG"
+  for f in ${keep//,/ }; do cp "$WORK/$name/$f" "$OUT/" 2>/dev/null; done  # at most 8 files come back
 }
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers",
+transformers.__version__, "triton", triton.__version__)'; } >> "$LOG" 2>&1
 case $PART in
   a)
-    run generation 260 generation.json python3 bench/generation.py --steps 24 --hf-steps 16
-    run adaptive 120 adaptive_tp.json,adaptive_trace_simulated.png python3 bench/adaptive_tp.py
+    run generation 300 generation.json python3 bench/generation.py --steps 24 --hf-steps 16
+    run adaptive 120 adaptive_tp.json,adaptive_trace_simulated.png,decode_steps.json python3 bench/adaptive_tp.py
     run planner_accuracy 90 planner_accuracy.json python3 bench/planner_accuracy.py
+    run iteration_tiny 60 "" python3 bench/iteration.py --tiny --iterations 2 --trl-steps 2
+    run train_step_tiny 40 "" python3 bench/train_step.py --tiny --steps 2
     ;;
   b)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-      && export PYTHONPATH=$PYTHONPATH:/tmp/site
-    run iteration 480 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 3
+    run iteration 420 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 3
+    run train_step 120 train_step.json python3 bench/train_step.py --steps 5
     ;;
 esac
+grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40

@@ -218,15 +218,20 @@ def main() -> None:
         prepare(work, shape, workload)
         bandwidth, flops = measure_rates(device)
         roof = rooflines(shape, workload, bandwidth, flops)
-        ours = run_shardflow(work, workload, args.iterations)
+        result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                  "torch": torch.__version__, "shape": shape, "workload": workload, "roofline": roof}
+        result["shardflow"] = ours = run_shardflow(work, workload, args.iterations)
+        (out / "iteration.json").write_text(json.dumps(result, indent=2))  # kept if the peer fails
         try:
             planner = planner_estimates(work, ours, workload)
         except Exception as e:  # noqa: BLE001 - keep the measurements if the estimate fails
             planner = {"error": f"{type(e).__name__}: {e}"}
-        trl = None if args.skip_trl else run_trl(work, args.trl_steps)
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "shape": shape, "workload": workload, "roofline": roof,
-              "shardflow": ours, "planner": planner, "trl": trl}
+        result["planner"] = planner
+        try:
+            trl = None if args.skip_trl else run_trl(work, args.trl_steps)
+        except (subprocess.CalledProcessError, OSError) as e:
+            trl, result["trl_error"] = None, str(e)
+        result["trl"] = trl
     (out / "iteration.json").write_text(json.dumps(result, indent=2))
 
     print(f"\nGRPO iteration, {result['device']}: {workload['prompts']} prompts x {workload['samples_per_prompt']} "
@@ -245,6 +250,8 @@ def main() -> None:
               f"({100 * row['relative_error']:+.0f}%)")
     if "error" in planner:
         print(f"planner estimate failed: {planner['error']}")
+    if "trl_error" in result:
+        print(f"TRL failed: {result['trl_error']}")
     print(f"rooflines: generation {roof['generation_s']:.2f} s, training {roof['training_s']:.2f} s "
           f"(HBM {roof['bandwidth_gb_s']:.0f} GB/s, bf16 {roof['matrix_tflops']:.0f} TFLOP/s measured)")
 
