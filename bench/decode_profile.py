@@ -3,8 +3,9 @@
     python bench/decode_profile.py --out runs/decode-profile            # one GPU, LLaMA-3.1-8B shape
     python bench/decode_profile.py --out runs/decode-profile --tiny     # CPU check
 
-1. The Triton decode attention over a grid of its tuning knobs (positions per block, programs per
-   SM, warps, pipeline stages), GB/s of KV read, for several batch x context cases.
+1. With ``--sweep``: the Triton decode attention over a grid of its tuning knobs (positions per
+   block, programs per SM, warps, pipeline stages), GB/s of KV read, for several batch x context
+   cases (some 360 kernel compilations: minutes).
 2. The projections as plain ``F.linear`` per weight shape (and with q/k/v and gate/up fused), GB/s of
    weight read, at batch 1 and 64.
 3. A kernel-level profile (torch.profiler) of the engine's decode step, eager and compiled, at
@@ -102,6 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="also sweep the decode attention's knobs")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda":
@@ -115,7 +117,7 @@ def main() -> None:
     if device.type == "cuda":
         result["bandwidth_gb_s"] = measure_bandwidth(device, 4) / 1e9
         cases = [(1, 8192), (16, 1024), (64, 1024), (64, 8192), (256, 1024)]
-        result["attention"] = attention_sweep(device, cfg, cases, dtype)
+        result["attention"] = attention_sweep(device, cfg, cases, dtype) if args.sweep else []
         result["linear"] = linear_sweep(device, cfg, dtype)
         model = random_model(cfg, device, dtype)
         result["profile"] = {}
@@ -125,6 +127,7 @@ def main() -> None:
                 result["profile"][key] = kernel_profile(model, device, b, c, comp)
             except Exception as e:  # noqa: BLE001 - keep the other measurements
                 result["profile"][key] = [dict(name=f"failed: {e}"[:300], calls=10, us_per_step=0.0, share=0.0)]
+            (out / "decode_profile.json").write_text(json.dumps(result, indent=2))  # kept if cut short
     (out / "decode_profile.json").write_text(json.dumps(result, indent=2))
     if device.type == "cuda":
         for batch, context in sorted({(r["batch"], r["context"]) for r in result["attention"]}):

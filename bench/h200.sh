@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The single-GPU benchmarks of BENCHMARKS.md, in two parts that each fit a 10-minute window:
-#   bench/h200.sh OUT a   generation, adaptive TP (one-GPU parts), planner accuracy, then short
-#                         checks of part b's scripts (tiny shapes) so that b's window is not lost
-#   bench/h200.sh OUT b   one GRPO iteration against TRL, and the training step on one GPU
+#   bench/h200.sh OUT a   generation, adaptive TP (one-GPU parts), planner accuracy
+#   bench/h200.sh OUT b   one GRPO iteration against TRL, the training step on one GPU, and where a
+#                         decode step's time goes (kernel profile)
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
@@ -29,13 +29,12 @@ case $PART in
   a)
     run generation 300 generation.json python3 bench/generation.py --steps 24 --hf-steps 16
     run adaptive 120 adaptive_tp.json,adaptive_trace_simulated.png,decode_steps.json python3 bench/adaptive_tp.py
-    run planner_accuracy 90 planner_accuracy.json python3 bench/planner_accuracy.py
-    run iteration_tiny 60 "" python3 bench/iteration.py --tiny --iterations 2 --trl-steps 2
-    run train_step_tiny 40 "" python3 bench/train_step.py --tiny --steps 2
+    run planner_accuracy 150 planner_accuracy.json python3 bench/planner_accuracy.py
     ;;
   b)
-    run iteration 420 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 3
-    run train_step 120 train_step.json python3 bench/train_step.py --steps 5
+    run iteration 320 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 3
+    run train_step 100 train_step.json python3 bench/train_step.py --steps 5
+    run decode_profile 120 decode_profile.json python3 bench/decode_profile.py
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40

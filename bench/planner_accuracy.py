@@ -158,6 +158,17 @@ def main() -> None:
     model = random_model(cfg, device, dtype)
     layout = Layout((0,))
     rows = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile.save(out / "profile.json")
+    result = {"device": profile.device, "dtype": str(dtype), "model": "tiny" if args.tiny else "Qwen3-1.7B shape",
+              "rates": profile.rates, "rows": rows}
+
+    def save() -> None:  # after every case, so a run cut short keeps what it measured
+        errors = [r["relative_error"] for r in rows]
+        result.update(mean_relative_error=sum(errors) / len(errors) if errors else None,
+                      worst_relative_error=max(errors, default=None), seconds=time.perf_counter() - t0)
+        (out / "planner_accuracy.json").write_text(json.dumps(result, indent=1))
     for kind, items in cases.items():
         for item in items:
             if kind == "generate":
@@ -183,16 +194,9 @@ def main() -> None:
                          "relative_error": abs(estimated - measured) / measured})
             print(f"{kind:9s}  {label:40s}  measured {measured:9.4f} s  estimated {estimated:9.4f} s  "
                   f"error {rows[-1]['relative_error']:6.1%}", flush=True)
-    worst = max(r["relative_error"] for r in rows)
-    mean = sum(r["relative_error"] for r in rows) / len(rows)
-    print(f"relative error: mean {mean:.1%}, worst {worst:.1%} (target under 20%)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    result = {"device": profile.device, "dtype": str(dtype), "model": "tiny" if args.tiny else "Qwen3-1.7B shape",
-              "rates": profile.rates, "rows": rows, "mean_relative_error": mean, "worst_relative_error": worst,
-              "seconds": time.perf_counter() - t0}
-    (out / "planner_accuracy.json").write_text(json.dumps(result, indent=1))
-    profile.save(out / "profile.json")
+            save()
+    print(f"relative error: mean {result['mean_relative_error']:.1%}, worst {result['worst_relative_error']:.1%} "
+          "(target under 20%)")
     print(f"wrote {out / 'planner_accuracy.json'} and {out / 'profile.json'}")
 
 

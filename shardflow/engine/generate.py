@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from shardflow.engine.compile_fallback import compiled_or_eager
 from shardflow.engine.cuda_graphs import GraphedDecode
 from shardflow.engine.decode_attention import ATTENTION
 from shardflow.engine.kv_cache import KVCache, bytes_per_slot
@@ -91,7 +92,7 @@ class Engine:
             raise ValueError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
         if config.compile and shard.tp_size > 1:
             raise ValueError("compile is implemented for tp=1 only; run tp > 1 without it")
-        self._step_fn = torch.compile(self._step) if config.compile else self._step
+        self._step_fn = compiled_or_eager(self._step, "the decode step") if config.compile else self._step
         self.stats = GenerationStats()
         self.waiting: deque[list[Request]] = deque()  # prefill units waiting for free slots
         self.active: list[Request] = []  # requests holding a slot, in admission order

@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 from torch.distributed import ProcessGroup
 
+from shardflow.engine.compile_fallback import compiled_or_eager
 from shardflow.parallel import comm
 
 MASK32 = 0xFFFFFFFF
@@ -79,11 +80,19 @@ def row_keys(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
 def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
     """[B, V] uniforms in (0, 1), a pure function of (seed[b], position[b], vocab_ids[v])."""
     key = row_keys(seed, position)  # [B]
-    v = _mix32((vocab_ids.to(torch.int64) + 0x9E3779B9) & MASK32)  # [V]
+    # (id + 0x9E3779B9) mod 2**32, written with a constant that fits int32: the compiler folds it
+    # into the kernel's int32 index arithmetic, where 0x9E3779B9 itself does not compile.
+    v = _mix32((vocab_ids.to(torch.int64) - 0x61C88647) & MASK32)  # [V]
     h = _mix32(key[:, None] ^ v[None, :])
     h = _mix32(h ^ (key[:, None] >> 7))  # second round: rows with nearby keys decorrelate fully
-    # 24 high bits, centred in their bucket: exactly representable, never 0 or 1.
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return unit_interval(h)
+
+
+def unit_interval(h: torch.Tensor) -> torch.Tensor:
+    """32-bit integers -> float32 in (0, 1): the 23 high bits, centred in their bucket. n + 0.5
+    needs 24 bits, exactly what float32 holds, so no value rounds to 0 or 1 (with 24 bits,
+    n = 2**24 - 1 would round to 1, and its Gumbel noise would be infinite)."""
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
@@ -146,7 +155,7 @@ def _candidates_for(device: torch.device):
     if device.type != "cuda":
         return local_candidates
     if not _compiled_candidates:
-        _compiled_candidates.append(torch.compile(local_candidates, dynamic=True))
+        _compiled_candidates.append(compiled_or_eager(local_candidates, "the sampler", dynamic=True))
     return _compiled_candidates[0]
 
 

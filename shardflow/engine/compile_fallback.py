@@ -1,0 +1,35 @@
+"""``torch.compile`` where it works, the eager function where it does not.
+
+Compilation happens at the first call, deep inside generation; a compiler failure there (an
+unsupported pattern, a code-generation bug of one torch release) must cost speed, not the run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable)
+
+
+def compiled_or_eager(fn: F, what: str, **compile_options) -> F:
+    """``torch.compile(fn)``; if a call of the compiled version raises, warn naming ``what`` and
+    the error, then run ``fn`` itself for this call and every later one. An error that is not the
+    compiler's raises again from the eager call."""
+    compiled = torch.compile(fn, **compile_options)
+    failed = False
+
+    def run(*args, **kwargs):
+        nonlocal failed
+        if not failed:
+            try:
+                return compiled(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, say so
+                warnings.warn(f"torch.compile of {what} failed, running it eager: {type(e).__name__}: "
+                              f"{str(e)[:2000]}")
+                failed = True
+        return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]

@@ -1,0 +1,34 @@
+"""A compiler failure costs speed, never the run: the function runs eager, with a warning."""
+
+import pytest
+import torch
+
+from shardflow.engine.compile_fallback import compiled_or_eager
+
+
+def _broken_backend(gm, example_inputs):
+    raise RuntimeError("no code for this pattern")
+
+
+def test_a_failing_compiler_falls_back_to_the_eager_function_and_says_so():
+    calls = []
+
+    def double(x):
+        calls.append(1)
+        return 2 * x
+
+    run = compiled_or_eager(double, "the doubler", backend=_broken_backend)
+    with pytest.warns(UserWarning, match="(?s)torch.compile of the doubler failed.*no code for this pattern"):
+        assert torch.equal(run(torch.ones(3)), torch.full((3,), 2.0))
+    n = len(calls)
+    assert torch.equal(run(torch.ones(2)), torch.full((2,), 2.0))  # eager from now on, no new warning
+    assert len(calls) == n + 1
+
+
+def test_an_error_of_the_function_itself_still_raises():
+    def bad(x):
+        raise ValueError("bad input")
+
+    run = compiled_or_eager(bad, "bad", backend="eager")
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="bad input"):
+        run(torch.ones(1))
