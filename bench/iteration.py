@@ -184,8 +184,11 @@ def planner_estimates(work: Path, ours: dict, workload: dict) -> dict:
     from shardflow.plan.profiler import run_profile
 
     profile_path = work / "profile.json"
-    profile = run_profile(str(work / "model"), str(profile_path), tps="1", quick=True, ranks=1,
-                          cuda_graphs=torch.cuda.is_available(), echo=lambda *a: None)
+    cuda = torch.cuda.is_available()
+    # The quick grid (a few tiny, launch-bound sizes) is a smoke test: extrapolated to this workload's
+    # micro-batches it is off by orders of magnitude, so on a GPU the full grid is measured.
+    profile = run_profile(str(work / "model"), str(profile_path), tps="1", quick=not cuda, ranks=1,
+                          cuda_graphs=cuda, echo=lambda *a: None)
     config = load_config(work / "shardflow.yaml")
     problem = problem_from_config(config, Cluster.for_devices(1), profile=profile,
                                   prompt_tokens=workload["prompt_tokens"],

@@ -62,7 +62,8 @@ def _add_plan(sub) -> None:
     prof.add_argument("--model", required=True, help="model directory (config.json is enough)")
     prof.add_argument("--out", default="profile.json", help="profile file to write")
     prof.add_argument("--tp", default="1,2,4,8", help="tensor-parallel shard shapes to measure")
-    prof.add_argument("--quick", action="store_true", help="a small grid (for a smoke test)")
+    prof.add_argument("--quick", action="store_true",
+                      help="a few tiny sizes, for a smoke test: estimates from it do not hold for real workloads")
     prof.add_argument("--ranks", type=int, default=None,
                       help="ranks for link bandwidth (default: every GPU; 0 or 1 skips it)")
     prof.add_argument("--cuda-graphs", action="store_true", help="time decode steps as replayed CUDA graphs")
