@@ -1,11 +1,11 @@
 """How close the planner's call-time estimates come to measured times on this machine.
 
-It profiles one model shape (the same measurements as ``shardflow profile``, tp = 1), then times,
+It profiles one model shape (the same measurements as ``shardflow profile``, tp = 1, eager layers), then times,
 on one device with random weights, the single-device versions of the three kinds of call:
 - inference: forward over micro-batches and per-token log-probabilities,
 - training: forward + backward over micro-batches, then AdamW over fp32 master weights,
 - generation: a plain decode loop (prefill, then one token per step for every request, static
-  KV cache, greedy), every request running to the same length,
+  KV cache, the engine's decode attention, greedy), every request running to the same length,
 and compares each with the cost model's estimate from the profile measured in the same run.
 
     python bench/planner_accuracy.py --out OUT            # Qwen3-1.7B shape, bf16, on the GPU
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shardflow.engine.decode_attention import ATTENTION  # noqa: E402
 from shardflow.models.config import ModelConfig  # noqa: E402
 from shardflow.models.transformer import build_model  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
@@ -114,13 +115,18 @@ class StaticCache:
         self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.pos = 0
         self.gqa = cfg.num_heads != cfg.num_kv_heads
+        self.slots = torch.arange(batch, device=device)
+        self.decode = ATTENTION["triton" if torch.device(device).type == "cuda" else "torch"]
 
     def attend(self, layer: int, q, k, v):
-        T = q.shape[2]
+        B, T = q.shape[0], q.shape[2]
         self.k[layer][:, :, self.pos:self.pos + T] = k
         self.v[layer][:, :, self.pos:self.pos + T] = v
+        if T == 1:  # a decode step: the engine's decode attention, as the profile times it
+            lengths = torch.full((B,), self.pos + 1, device=q.device)
+            return self.decode(q[:, :, 0], self.k[layer], self.v[layer], self.slots, lengths, None)[:, :, None]
         keys, values = self.k[layer][:, :, :self.pos + T], self.v[layer][:, :, :self.pos + T]
-        return F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=self.gqa)
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=self.gqa)
 
 
 def measure_generate(model, cfg, batch, prompt, new, device, dtype) -> float:
@@ -153,7 +159,9 @@ def main() -> None:
     cases = TINY_CASES if args.tiny else GPU_CASES
     t0 = time.perf_counter()
 
-    profile = profile_model(cfg, tps=(1,), grid=QUICK if args.tiny else GPU_GRID, device=device, dtype=dtype)
+    # the single-device calls below run eager layers, so the profile times eager layers too
+    profile = profile_model(cfg, tps=(1,), grid=QUICK if args.tiny else GPU_GRID, device=device, dtype=dtype,
+                            compile_layers=False)
     cluster = profile.cluster(Cluster(num_nodes=1, gpus_per_node=1))
     model = random_model(cfg, device, dtype)
     layout = Layout((0,))

@@ -187,10 +187,8 @@ class Transformer(nn.Module):
         h = self.model.embed_tokens(x) if self.shard.first_stage else x
         cos, sin = self.rope(positions, h.dtype)
         recompute = self.gradient_checkpointing and torch.is_grad_enabled()
+        run = self.layer_fn(attend)
         for layer in self.model.layers.values():
-            # Compiled layers serve plain causal forwards (training, inference); generation passes
-            # its own ``attend`` and compiles its whole decode step instead.
-            run = self._compiled_layer if attend is None and self._compiled_layer is not None else _layer_forward
             if recompute:
                 # The decoder has no dropout, so the recomputation needs no saved RNG state. Under
                 # tp the recomputed forward repeats its two all-reduces inside backward.
@@ -200,6 +198,12 @@ class Transformer(nn.Module):
         if self.shard.last_stage:
             h = self.model.norm(h)
         return h
+
+    def layer_fn(self, attend: AttendFn | None):
+        """What runs one layer: the compiled function (see ``compile_layers``) for plain causal
+        forwards (training, inference); generation passes its own ``attend`` and compiles its
+        whole decode step instead."""
+        return self._compiled_layer if attend is None and self._compiled_layer is not None else _layer_forward
 
     def compile_layers(self) -> bool:
         """Run plain forwards (and their backwards) of every decoder layer through one

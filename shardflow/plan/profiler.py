@@ -6,9 +6,12 @@ a decode step over batch sizes and KV-cache lengths, and the AdamW step per para
 norm and head likewise over token counts. The GEMM rate and copy bandwidth are measured too, and
 with several GPUs the all-reduce bus bandwidth and point-to-point bandwidth between them.
 
-Decode steps are timed eagerly by default (kernel launches included), or as captured CUDA graphs
-with ``cuda_graphs`` to match an engine that replays graphs. Grid cells whose KV cache would not
-fit are filled from the roofline scaled by the nearest measured cell.
+What is timed is what the runtime runs: on GPUs, tp=1 layers go through ``torch.compile`` as the
+runtime compiles them (``compile_layers=False`` for runs that keep them eager), and a decode step
+attends with the engine's decode attention over a cache in the engine's layout. Decode steps are
+timed eagerly by default (kernel launches included), or as captured CUDA graphs with
+``cuda_graphs`` to match an engine that replays graphs. Grid cells whose KV cache would not fit are
+filled from the roofline scaled by the nearest measured cell.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from shardflow.models.config import ModelConfig
+from shardflow.engine.decode_attention import ATTENTION
 from shardflow.models.transformer import Transformer, build_model
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for
@@ -113,10 +116,15 @@ def _positions(batch: int, length: int, device: torch.device, start: int = 0) ->
 
 
 def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, dtype: torch.dtype, *,
-                  cuda_graphs: bool = False, roofline: Roofline = Roofline(), cluster: Cluster | None = None) -> LayerProfile:
+                  cuda_graphs: bool = False, compile_layers: bool = True, roofline: Roofline = Roofline(),
+                  cluster: Cluster | None = None) -> LayerProfile:
     model = one_layer_model(cfg, tp, device, dtype)
     layer = model.model.layers["0"]
     H = cfg.hidden_size
+    if compile_layers and device.type == "cuda" and tp == 1:  # as the runtime compiles them
+        model.compile_layers()
+    run = model.layer_fn(None)  # training and inference forwards
+    attention = ATTENTION["triton" if device.type == "cuda" else "torch"]  # the engine's default
 
     def layer_cell(tokens: int, seqlen: int, backward: bool) -> float:
         # cells with seqlen > tokens run one sequence of `tokens` tokens
@@ -126,15 +134,15 @@ def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, d
         x = torch.randn(batch, length, H, device=device, dtype=dtype)  # [B,T,H]
         if not backward:
             with torch.no_grad():
-                return timed(lambda: layer(x, cos, sin, None), device, grid.reps)
+                return timed(lambda: run(layer, x, cos, sin, None), device, grid.reps)
         x.requires_grad_(True)
         grad = torch.randn_like(x)
 
         def step():
-            layer(x, cos, sin, None).backward(grad)
+            run(layer, x, cos, sin, None).backward(grad)
 
         with torch.no_grad():
-            forward = timed(lambda: layer(x, cos, sin, None), device, grid.reps)
+            forward = timed(lambda: run(layer, x, cos, sin, None), device, grid.reps)
         return max(timed(step, device, grid.reps) - forward, 0.1 * forward)
 
     forward = tuple(tuple(layer_cell(t, s, False) for s in grid.seqlens) for t in grid.tokens)
@@ -151,13 +159,17 @@ def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, d
             if kv_bytes > grid.kv_budget_bytes:
                 row.append(None)
                 continue
+            # the engine's cache layout: [slots, kv heads, positions, head dim], one slot per request
             cache_k = torch.randn(batch, kv_local, context + 1, cfg.head_dim, device=device, dtype=dtype)
             cache_v = torch.randn_like(cache_k)
+            slots = torch.arange(batch, device=device)
+            lengths = torch.full((batch,), context + 1, device=device)
 
-            def attend(_layer: int, q, k, v, cache_k=cache_k, cache_v=cache_v, context=context):
+            def attend(_layer: int, q, k, v, cache_k=cache_k, cache_v=cache_v, context=context, slots=slots,
+                       lengths=lengths):
                 cache_k[:, :, context:context + 1] = k  # write the new token's key/value, then read all
                 cache_v[:, :, context:context + 1] = v
-                return F.scaled_dot_product_attention(q, cache_k, cache_v, enable_gqa=q.shape[1] != kv_local)
+                return attention(q[:, :, 0], cache_k, cache_v, slots, lengths, None)[:, :, None]
 
             cos, sin = model.rope(_positions(batch, 1, device, context), dtype)
             x = torch.randn(batch, 1, H, device=device, dtype=dtype)  # [B,1,H]
@@ -237,7 +249,7 @@ def profile_head(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, dt
 
 
 def profile_model(cfg: ModelConfig, *, tps: tuple[int, ...], grid: Grid = Grid(), device: torch.device,
-                  dtype: torch.dtype, cuda_graphs: bool = False, echo=print) -> Profile:
+                  dtype: torch.dtype, cuda_graphs: bool = False, compile_layers: bool = True, echo=print) -> Profile:
     rates = measure_rates(device, dtype)
     echo(f"GEMM {rates['matmul_flops'] / 1e12:.1f} TFLOP/s, copy {rates['hbm_bandwidth'] / 1e9:.0f} GB/s")
     cluster = Cluster().with_rates(**rates)
@@ -248,7 +260,8 @@ def profile_model(cfg: ModelConfig, *, tps: tuple[int, ...], grid: Grid = Grid()
             echo(f"tp={tp}: skipped, the model cannot be split that way")
             continue
         t0 = time.perf_counter()
-        layer = profile_layer(cfg, tp, grid, device, dtype, cuda_graphs=cuda_graphs, cluster=cluster)
+        layer = profile_layer(cfg, tp, grid, device, dtype, cuda_graphs=cuda_graphs, compile_layers=compile_layers,
+                              cluster=cluster)
         profile.layers.setdefault(layer_key(cfg), {})[tp] = layer
         profile.heads.setdefault(head_key(cfg), {})[tp] = profile_head(cfg, tp, grid, device, dtype)
         echo(f"tp={tp}: layer forward {layer.forward(grid.tokens[-1], grid.seqlens[0]) * 1e3:.3f} ms at "
@@ -301,7 +314,8 @@ def measure_links(world, out_path: str, sizes: tuple[int, ...], reps: int = 5) -
 
 
 def run_profile(model: str, out: str, *, tps: str = "1,2,4,8", quick: bool = False, ranks: int | None = None,
-                device: str | None = None, cuda_graphs: bool = False, echo=print) -> Profile:
+                device: str | None = None, cuda_graphs: bool = False, compile_layers: bool = True,
+                echo=print) -> Profile:
     cfg = ModelConfig.from_pretrained(model)
     try:
         tp_list = tuple(int(t) for t in str(tps).split(",") if t)
@@ -314,7 +328,7 @@ def run_profile(model: str, out: str, *, tps: str = "1,2,4,8", quick: bool = Fal
         raise ValueError("--device cuda was asked for but CUDA is not available")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     profile = profile_model(cfg, tps=tp_list, grid=QUICK if quick else Grid(), device=dev, dtype=dtype,
-                            cuda_graphs=cuda_graphs, echo=echo)
+                            cuda_graphs=cuda_graphs, compile_layers=compile_layers, echo=echo)
     if ranks is None:
         ranks = torch.cuda.device_count() if dev.type == "cuda" else 0
     if ranks > 1:
