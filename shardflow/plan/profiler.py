@@ -26,8 +26,8 @@ from typing import Callable
 
 import torch
 
-from shardflow.models.config import ModelConfig
 from shardflow.engine.decode_attention import ATTENTION
+from shardflow.models.config import ModelConfig
 from shardflow.models.transformer import Transformer, build_model
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for

@@ -52,10 +52,9 @@ def launch(entry: Entry, nprocs: int, *args: Any, backend: str | None = None) ->
             raise ValueError(f"the job needs {nprocs} ranks but torchrun started {size}")
         world = init_world(int(os.environ["RANK"]), size, "env://", backend,
                            local_rank=int(os.environ.get("LOCAL_RANK", 0)))
-        try:
-            return entry(world, *args)
-        finally:
-            dist.destroy_process_group()
+        result = entry(world, *args)  # on an error torchrun ends the other ranks
+        _teardown()
+        return result
     if backend == "nccl" or (backend is None and torch.cuda.is_available()):
         if torch.cuda.device_count() < nprocs:
             raise ValueError(f"the job needs {nprocs} GPUs but this machine has {torch.cuda.device_count()}")
@@ -124,5 +123,13 @@ def _rank_main(rank: int, entry: Entry, size: int, init_method: str, backend: st
         os._exit(1)  # skip teardown: peers may be gone, and destroying the group could hang
     finally:
         sys.stdout.flush()
+    _teardown()
+
+
+def _teardown() -> None:
+    """Wait until every rank is done before any closes its connections: a gloo rank whose peer
+    tears down first can abort in a communication thread ("terminate called without an active
+    exception", seen once at the end of a two-rank run)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
