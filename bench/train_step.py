@@ -13,7 +13,11 @@ In one launch (one process per rank):
    variable-length sequences: ms per step, real tokens per second, model TFLOP/s per device,
    padding overhead, peak memory, and (CUDA) host synchronisations per step, as reported by
    ``torch.cuda.set_sync_debug_mode``. Expected: two per step (normalizer and metrics) plus one
-   per tensor copied to the device while micro-batches are prepared, before the pipeline runs.
+   per tensor copied to the device while micro-batches are prepared, before the pipeline runs;
+3. with ``--profile`` (GPU): a kernel-level profile of one step of the first layout on rank 0,
+   device time by kind (matrix products, attention, optimizer, the rest) and the top kernels.
+``--model qwen3-1.7b --batch 256 --max-len 576 --equal-lengths --compile`` is the training call of
+``bench/iteration.py``'s GRPO iteration.
 Prints a table and writes ``train_step.json`` to ``--out``.
 """
 
@@ -47,6 +51,10 @@ from shardflow.runtime.launch import launch  # noqa: E402
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
                 tie_word_embeddings=True)
+QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                  tie_word_embeddings=True, rope_theta=1000000.0)
+SHAPES = {"llama-3.2-1b": ("llama", LLAMA_1B), "qwen3-1.7b": ("qwen3", QWEN3_1_7B)}
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, tie_word_embeddings=True)
 
@@ -65,10 +73,13 @@ class TokenMeanLoss:
         return loss, {"entropy": (outputs["entropy"] * mask).sum().detach() / normalizer}
 
 
-def make_batch(num: int, max_len: int, vocab: int, seed: int) -> SequenceBatch:
-    """Lengths uniform in [max_len / 8, max_len]; the first quarter of each is the prompt."""
+def make_batch(num: int, max_len: int, vocab: int, seed: int, equal: bool = False) -> SequenceBatch:
+    """Lengths uniform in [max_len / 8, max_len] (all ``max_len`` if ``equal``); the first quarter
+    of each is the prompt."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(max(2, max_len // 8), max_len + 1, (num,), generator=g).tolist()
+    if equal:
+        lengths = [max_len] * num
     ids = [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
     mask = [(torch.arange(n) >= n // 4).float() for n in lengths]
     adv = [torch.randn(n, generator=g) for n in lengths]
@@ -138,7 +149,7 @@ def matmul_params(cfg: ModelConfig) -> int:
 def speed(world, shapes: list[str], cfg: ModelConfig, args) -> list[dict]:
     cuda = world.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    batch = make_batch(args.batch, args.max_len, cfg.vocab_size, seed=1)
+    batch = make_batch(args.batch, args.max_len, cfg.vocab_size, seed=1, equal=args.equal_lengths)
     lengths = batch.lengths.tolist()
     real = sum(lengths)
     # training FLOPs: 3 x forward; forward = 2 x matmul params per token + causal attention
@@ -152,6 +163,8 @@ def speed(world, shapes: list[str], cfg: ModelConfig, args) -> list[dict]:
             row = {"layout": shape, "tokens": real}
             try:
                 model = random_model(cfg, layout, world, dtype)
+                if args.compile and cuda and layout.tp == 1:
+                    model.compile_layers()
                 engine = TrainEngine(model, layout, world, OptimConfig(lr=1e-6),
                                      gradient_checkpointing=args.checkpointing)
                 mine = share(batch, layout, world.rank)
@@ -174,6 +187,8 @@ def speed(world, shapes: list[str], cfg: ModelConfig, args) -> list[dict]:
                         step()
                         torch.cuda.set_sync_debug_mode("default")
                     syncs = sum("synchroniz" in str(w.message) for w in caught)
+                if args.profile and cuda and world.rank == 0 and shape == shapes[0]:
+                    row["profile"] = kernel_profile(step)
                 groups = split_by_tokens(mine.lengths, args.tokens, min_micro_batches=layout.pp)
                 padded = sum(len(g) * max(mine.lengths[g].tolist()) for g in groups)
                 seconds = statistics.median(times)
@@ -202,6 +217,30 @@ def speed(world, shapes: list[str], cfg: ModelConfig, args) -> list[dict]:
     return rows
 
 
+KINDS = (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "splitkreduce")), ("attention", ("flash", "fmha", "attention")),
+         ("optimizer", ("multi_tensor", "foreach", "adam")))
+
+
+def kernel_profile(step) -> dict:
+    """Device time of one step by kind of kernel, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    events = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    kinds: dict[str, float] = {}
+    for e in events:
+        name = e.key.lower()
+        kind = next((k for k, words in KINDS if any(w in name for w in words)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + e.device_time_total / 1e3
+    return {"wall_ms": wall * 1e3, "device_ms_by_kind": kinds,
+            "top": [dict(name=e.key[:120], calls=e.count, ms=e.device_time_total / 1e3) for e in events[:25]]}
+
+
 def rank_main(world, args, ckpt: str) -> None:
     shapes = [s for s in args.layouts.split(",") if layout_of(s).size <= world.size]
     world.create_groups([layout_of(s) for s in set(shapes) | {"d1p1t1"}])
@@ -226,9 +265,16 @@ def rank_main(world, args, ckpt: str) -> None:
         print(f"{r['layout']:8} {r['ms_per_step']:9.1f} {r['tokens_per_s']:10.0f} {r['tflops_per_device']:11.2f} "
               f"{r['padding']:6.1%} {fmt(r['syncs_per_step'], 'd'):>5} {fmt(r['peak_gib'], '.1f'):>8} "
               f"{fmt(r['parity_max_abs_diff'], '.1e'):>9}")
+        if "profile" in r:
+            p = r["profile"]
+            kinds = ", ".join(f"{k} {v:.0f} ms" for k, v in sorted(p["device_ms_by_kind"].items(), key=lambda kv: -kv[1]))
+            print(f"  profiled step: {p['wall_ms']:.0f} ms wall; device time: {kinds}")
+            for k in p["top"][:12]:
+                print(f"    {k['ms']:8.1f} ms x{k['calls']:<5} {k['name']}")
     record = {"device": device, "ranks": world.size, "model": args.model, "batch": args.batch,
               "max_len": args.max_len, "micro_batch_tokens": args.tokens, "steps": args.steps,
-              "gradient_checkpointing": args.checkpointing, "rows": rows}
+              "gradient_checkpointing": args.checkpointing, "compile": args.compile,
+              "equal_lengths": args.equal_lengths, "rows": rows}
     (out / "train_step.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out / 'train_step.json'}")
 
@@ -244,6 +290,10 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=None, help="longest sequence (default 2048; tiny 128)")
     parser.add_argument("--tokens", type=int, default=None, help="micro-batch token budget (default 16384; tiny 512)")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
+    parser.add_argument("--model", choices=sorted(SHAPES), default="llama-3.2-1b", help="model shape (GPU)")
+    parser.add_argument("--equal-lengths", action="store_true", help="every sequence --max-len tokens")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the layers (tp=1, GPU), as runs do")
+    parser.add_argument("--profile", action="store_true", help="kernel profile of one step (GPU)")
     args = parser.parse_args()
     gpus = torch.cuda.device_count()
     args.nprocs = args.nprocs or (gpus if gpus else 4)
@@ -251,12 +301,12 @@ def main() -> None:
     args.batch = args.batch or (16 if args.tiny else 64)
     args.max_len = args.max_len or (128 if args.tiny else 2048)
     args.tokens = args.tokens or (512 if args.tiny else 16384)
-    args.model = "tiny" if args.tiny else "llama-3.2-1b"
+    family, shape = ("llama", TINY) if args.tiny else SHAPES[args.model]
+    args.model = "tiny" if args.tiny else args.model
 
     from shardflow.models.tiny import make_tiny_checkpoint, tiny_hf_config
 
-    shape = TINY if args.tiny else LLAMA_1B
-    hf = tiny_hf_config("llama", **shape).to_dict()
+    hf = tiny_hf_config(family, **shape).to_dict()
     args.shape_json = json.dumps(hf)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,22 +1,30 @@
-"""Decode steps captured as CUDA graphs, one per batch-size bucket and sampling mode.
+"""Decode steps run from persistent device buffers, optionally replayed as CUDA graphs.
 
-A decode step reads its inputs from fixed device buffers: ``ints`` [5, B] (tokens, positions,
-slots, top_k, seeds) and ``floats`` [2, B] (temperatures, top_p). A batch of B requests runs the
-graph of the smallest bucket >= B, its extra rows filled with a dummy request that lives in the
-KV cache's scratch slot (position 0, greedy), so padding never touches a real request's cache.
-Graphs are captured on first use, in the order batches arrive; every tp rank sees the same batch
-sizes in the same order, so the collectives inside the graphs match across ranks.
+A decode step reads its inputs from fixed device buffers: ``ints`` [5, N] (tokens, positions,
+slots, top_k, seeds) and ``floats`` [2, N] (temperatures, top_p), of which the first rows hold
+the batch. After sampling, the step itself writes the next step's inputs of the same rows into
+the buffers (each row's sampled token, at the next position), so that a batch whose rows do not
+change decodes step after step with no host work in between: the engine launches the next step
+before it reads the previous one's tokens back. When rows leave the batch, ``keep`` compacts the
+buffers on the device; when rows join, the engine ``load``s them from the host.
+
+With graphs, a batch of B requests runs the graph of the smallest bucket >= B, its extra rows
+filled with a dummy request that lives in the KV cache's scratch slot (position 0, greedy; the
+in-place advance leaves it there), so padding never touches a real request's cache. Graphs are
+captured per (bucket, sampling mode) on first use, in the order batches arrive; every tp rank sees
+the same batch sizes in the same order, so the collectives inside the graphs match across ranks.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 # step(ints [5,B], floats [2,B], mode) -> (tokens [B], logprobs [B]), all on the device
 StepFn = Callable[[torch.Tensor, torch.Tensor, str], tuple[torch.Tensor, torch.Tensor]]
 INT_ROWS, FLOAT_ROWS = 5, 2
+TOKENS, POSITIONS, SLOTS = 0, 1, 2  # rows of ``ints``
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -31,65 +39,103 @@ def batch_buckets(max_batch: int) -> list[int]:
 def dummy_rows(scratch_slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` padding rows: token 0 at position 0 of the scratch slot, greedy."""
     ints = torch.zeros(INT_ROWS, n, dtype=torch.int64)
-    ints[2] = scratch_slot
+    ints[SLOTS] = scratch_slot
     floats = torch.zeros(FLOAT_ROWS, n, dtype=torch.float32)
     floats[1] = 1.0
     return ints, floats
 
 
-class GraphedDecode:
-    """Runs ``step`` through CUDA graphs captured per (bucket, mode)."""
+def advance(ints: torch.Tensor, tokens: torch.Tensor, scratch_slot: int) -> None:
+    """In place: the next step's inputs of the same rows (each row's sampled token at the next
+    position); rows of the scratch slot stay at position 0."""
+    ints[TOKENS].copy_(tokens)
+    ints[POSITIONS].add_((ints[SLOTS] != scratch_slot).to(ints.dtype))
 
-    def __init__(self, step: StepFn, *, max_batch: int, scratch_slot: int, device: torch.device):
-        self.step, self.device = step, device
+
+class DecodeRunner:
+    """Runs ``step`` over the first ``batch`` rows of its buffers, eagerly or through graphs."""
+
+    def __init__(self, step: StepFn, *, max_batch: int, scratch_slot: int, device: torch.device,
+                 graphs: bool):
+        self.step, self.device, self.scratch_slot, self.use_graphs = step, device, scratch_slot, graphs
         self.buckets = batch_buckets(max_batch)
-        self.scratch_slot = scratch_slot
         n = self.buckets[-1]
-        self.ints = torch.zeros(INT_ROWS, n, dtype=torch.int64, device=device)
-        self.floats = torch.zeros(FLOAT_ROWS, n, dtype=torch.float32, device=device)
+        pad_ints, pad_floats = dummy_rows(scratch_slot, n)
+        self._pad_ints, self._pad_floats = pad_ints.to(device), pad_floats.to(device)
+        self.ints, self.floats = self._pad_ints.clone(), self._pad_floats.clone()
+        self.batch = 0  # rows holding requests
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = None  # one memory pool shared by all graphs (they never run concurrently)
 
     def bucket(self, batch: int) -> int:
-        return next(n for n in self.buckets if n >= batch)
+        """Rows a step over ``batch`` requests computes (padded up to a graph's size)."""
+        return next(n for n in self.buckets if n >= batch) if self.use_graphs else batch
 
-    def __call__(self, ints: torch.Tensor, floats: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """ints [5,B], floats [2,B] on the host -> (tokens [B], logprobs [B]) on the device."""
+    def load(self, ints: torch.Tensor, floats: torch.Tensor) -> None:
+        """Rows from the host: ints [5,B], floats [2,B]."""
         batch = ints.shape[1]
-        n = self.bucket(batch)
-        key = (n, mode)
+        self.ints[:, :batch].copy_(ints)
+        self.floats[:, :batch].copy_(floats)
+        self._set_batch(batch)
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Keep only these rows (indices into the current batch, in order), on the device."""
+        index = torch.tensor(list(rows), dtype=torch.int64)
+        if self.device.type == "cuda":
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        self.ints[:, :len(rows)] = self.ints[:, :self.batch].index_select(1, index)
+        self.floats[:, :len(rows)] = self.floats[:, :self.batch].index_select(1, index)
+        self._set_batch(len(rows))
+
+    def _set_batch(self, batch: int) -> None:
+        n = self.bucket(batch)  # padding rows up to the bucket: the dummy request
+        self.ints[:, batch:n].copy_(self._pad_ints[:, batch:n])
+        self.floats[:, batch:n].copy_(self._pad_floats[:, batch:n])
+        self.batch = batch
+
+    def run(self, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step over the loaded rows -> (tokens [B], logprobs [B]) on the device; the buffers
+        then hold the next step's inputs."""
+        batch, n = self.batch, self.bucket(self.batch)
+        if not self.use_graphs:
+            ints = self.ints[:, :n]
+            tokens, logprobs = self.step(ints, self.floats[:, :n], mode)
+            advance(ints, tokens, self.scratch_slot)
+            return tokens, logprobs
         self.capture(n, mode)
-        pad_ints, pad_floats = dummy_rows(self.scratch_slot, n - batch)
-        self.ints[:, :n].copy_(torch.cat([ints, pad_ints], 1))
-        self.floats[:, :n].copy_(torch.cat([floats, pad_floats], 1))
-        self.graphs[key].replay()
-        tokens, logprobs = self.outputs[key]
+        self.graphs[(n, mode)].replay()
+        tokens, logprobs = self.outputs[(n, mode)]
         return tokens[:batch], logprobs[:batch]
 
     def capture(self, n: int, mode: str) -> bool:
-        """Capture the graph of bucket ``n`` and ``mode`` unless it exists; True if it was captured."""
-        if (n, mode) in self.graphs:
+        """Capture the graph of bucket ``n`` and ``mode`` unless it exists (or graphs are off);
+        True if it was captured. The loaded rows are kept."""
+        if not self.use_graphs or (n, mode) in self.graphs:
             return False
+        live = self.ints.clone(), self.floats.clone()
         self._capture(n, mode)
+        self.ints.copy_(live[0])
+        self.floats.copy_(live[1])
         return True
 
     def _capture(self, n: int, mode: str) -> None:
         # Warm up (and let torch.compile, if used, compile) on dummy rows only: they write the
         # scratch slot, never a real request's cache.
-        pad_ints, pad_floats = dummy_rows(self.scratch_slot, n)
-        self.ints[:, :n].copy_(pad_ints)
-        self.floats[:, :n].copy_(pad_floats)
+        self.ints[:, :n].copy_(self._pad_ints[:, :n])
+        self.floats[:, :n].copy_(self._pad_floats[:, :n])
         ints, floats = self.ints[:, :n], self.floats[:, :n]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.step(ints, floats, mode)
+                tokens, _ = self.step(ints, floats, mode)
+                advance(ints, tokens, self.scratch_slot)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of other threads (the NCCL watchdog) do not break the capture.
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self.step(ints, floats, mode)
+            advance(ints, out[0], self.scratch_slot)
         self.pool = graph.pool()
         self.graphs[(n, mode)], self.outputs[(n, mode)] = graph, out

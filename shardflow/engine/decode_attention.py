@@ -7,7 +7,8 @@ Two implementations with the same contract:
 - ``decode_attention_triton``: a split-K Triton kernel for the GPU. Each program takes one
   (request, KV head, split) and reads only that request's valid positions, through its slot index,
   for all the query heads sharing the KV head (GQA); a second small kernel merges the splits with
-  their log-sum-exp. The split count depends only on the batch size, so a CUDA graph captured for
+  their log-sum-exp (with one split, the first kernel writes the output itself). The split count
+  depends only on the batch size, so a CUDA graph captured for
   a batch size stays valid while lengths grow; each split's range is computed in the kernel from
   the request's current length. Tested on CPU with ``TRITON_INTERPRET=1``.
 
@@ -61,9 +62,9 @@ def num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, pr
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(Q, K, V, Slots, Lengths, Acc, Max, Sum,
+    def _split_kernel(Q, K, V, Slots, Lengths, Acc, Max, Sum, Out,
                       stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
-                      stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
+                      stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
                       scale_log2, window,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
@@ -115,11 +116,15 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
-        a_ptr = Acc + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
-        tl.store(a_ptr, acc, mask=mask_h[:, None] & mask_d[None, :])
-        m_off = b * stride_mb + heads * stride_mh + split
-        tl.store(Max + m_off, m_i, mask=mask_h)
-        tl.store(Sum + m_off, l_i, mask=mask_h)
+        if SPLITS == 1:  # nothing to merge: the output itself
+            o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptr, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+        else:
+            a_ptr = Acc + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
+            tl.store(a_ptr, acc, mask=mask_h[:, None] & mask_d[None, :])
+            m_off = b * stride_mb + heads * stride_mh + split
+            tl.store(Max + m_off, m_i, mask=mask_h)
+            tl.store(Sum + m_off, l_i, mask=mask_h)
 
     @triton.jit
     def _merge_kernel(Acc, Max, Sum, Out, stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
@@ -155,24 +160,28 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert H % K == 0 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     group = H // K
     splits = num_splits(B, K, M, q.device, programs_per_sm, block)
-    acc = torch.empty(B, H, splits, d, dtype=torch.float32, device=q.device)
-    row_max = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
-    row_sum = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
     out = torch.empty(B, H, d, dtype=q.dtype, device=q.device)
+    parts = splits if splits > 1 else 0  # one split writes ``out`` directly: no partial results
+    acc = torch.empty(B, H, parts, d, dtype=torch.float32, device=q.device)
+    row_max = torch.empty(B, H, parts, dtype=torch.float32, device=q.device)
+    row_sum = torch.empty(B, H, parts, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(d))
     # fp32 caches (tests, parity checks) take exact fp32 products, not TF32. Triton's CPU
     # interpreter cannot multiply bf16 tiles, so there they are upcast to fp32 first.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     upcast = q.device.type != "cuda"
     _split_kernel[(B, K, splits)](
-        q, k_cache, v_cache, slots, lengths, acc, row_max, row_sum,
+        q, k_cache, v_cache, slots, lengths, acc, row_max, row_sum, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0), row_max.stride(1),
+        out.stride(0), out.stride(1),
         (1.0 / math.sqrt(d)) * math.log2(math.e), window or 0,
         GROUP=group, HEAD_DIM=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
     )
+    if splits == 1:
+        return out
     _merge_kernel[(B, H)](
         acc, row_max, row_sum, out, acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0),
         row_max.stride(1), out.stride(0), out.stride(1),

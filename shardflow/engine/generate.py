@@ -9,11 +9,18 @@ tokens, which ``sampling.sample`` makes identical across tp). ``submit`` queues 
    are admitted together (at most ``num_slots`` at a time) and share one prefill;
 2. prefill the admitted prompts in chunks of at most ``max_prefill_tokens`` padded tokens, copy
    each prompt's KV into its sibling samples' slots, and sample every request's first token;
-3. run one decode step over every active request (graph-captured on GPU) and read the new tokens
-   back (the one host synchronisation per step);
-4. retire finished requests at once, freeing their slots, so the active batch shrinks.
+3. launch one decode step over every active request (graph-captured on GPU), then read back the
+   tokens of the step launched before it: the host does its bookkeeping while the device decodes,
+   and a batch whose rows do not change goes from step to step without host work in between
+   (the step writes its own next inputs, see ``cuda_graphs``);
+4. retire the requests that those tokens finished, freeing their slots, so the active batch
+   shrinks.
 
-``generate`` steps until every request is done. ``evict`` takes unfinished requests out with
+Reading tokens one step late costs one wasted row for a request that stops on an EOS or stop
+token (it was already in the next step; that row's token is dropped). Length limits are known in
+advance, so a request that ends by length runs no extra step. ``flush`` reads back the step in
+flight; admissions, ``evict`` and ``detach`` do it first. ``generate`` steps until every request
+is done. ``evict`` takes unfinished requests out with
 their state; a request that arrives with generated tokens already (moved from another engine) is
 prefilled with ``prompt + output[:-1]`` (recomputing its KV) and continues from its last token.
 ``detach`` and ``adopt`` move requests whose KV stays where it is: between engines that decode
@@ -30,7 +37,7 @@ from typing import Callable, Sequence
 import torch
 
 from shardflow.engine.compile_fallback import compiled_or_eager
-from shardflow.engine.cuda_graphs import GraphedDecode
+from shardflow.engine.cuda_graphs import DecodeRunner
 from shardflow.engine.decode_attention import ATTENTION
 from shardflow.engine.kv_cache import KVCache, bytes_per_slot
 from shardflow.engine.requests import Request
@@ -60,6 +67,15 @@ class EngineConfig:
             raise ValueError(f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+
+
+@dataclass
+class _Launched:
+    """A decode step in flight: its rows, and where its tokens arrive on the host."""
+    rows: list[Request]
+    host: torch.Tensor  # [2, rows]: tokens, log-probabilities (copied asynchronously on CUDA)
+    ready: torch.cuda.Event | None  # recorded after the copy (CUDA)
+    start: float  # when it was launched
 
 
 @dataclass
@@ -96,6 +112,8 @@ class Engine:
         self.stats = GenerationStats()
         self.waiting: deque[list[Request]] = deque()  # prefill units waiting for free slots
         self.active: list[Request] = []  # requests holding a slot, in admission order
+        self._launched: _Launched | None = None  # the decode step whose tokens are not read yet
+        self._last_read = 0.0  # when the last step's tokens were read (perf_counter)
         self.cache: KVCache | None = None
         if cache is None:
             self.reset_cache()
@@ -106,7 +124,7 @@ class Engine:
 
     def reset_cache(self, *, max_seq_len: int | None = None, kv_cache_bytes: int | None = None) -> None:
         """(Re)allocate the KV cache while no request holds a slot; drops captured graphs."""
-        if self.active:
+        if self.active or self._launched:
             raise RuntimeError("cannot reallocate the KV cache while requests hold slots; evict them first")
         cfg, shard, config = self.model.cfg, self.model.shard, self.config
         self.max_seq_len = max_seq_len or config.max_seq_len or cfg.max_position_embeddings
@@ -125,7 +143,7 @@ class Engine:
     def use_cache(self, cache: KVCache) -> None:
         """Decode into ``cache`` (e.g. a regrouped view of another engine's cache) while no request
         holds a slot; every slot of it must be free. Drops captured graphs."""
-        if self.active or self.waiting:
+        if self.active or self.waiting or self._launched:
             raise RuntimeError("cannot switch the KV cache while requests are queued or hold slots")
         layers, shard = tuple(self.model.model.layers.keys()), self.model.shard
         first = next(iter(cache.k.values()))
@@ -145,15 +163,18 @@ class Engine:
             for t in (*self.cache.k.values(), *self.cache.v.values()):
                 torch._dynamo.mark_dynamic(t, 0)
                 torch._dynamo.mark_dynamic(t, 2)
-        if self.use_graphs:
-            self.decode = GraphedDecode(self._step_fn, max_batch=self.cache.num_slots,
-                                        scratch_slot=self.cache.scratch_slot, device=self.device)
-        else:
-            self.decode = self._eager_decode
+        self.decode = DecodeRunner(self._step_fn, max_batch=self.cache.num_slots,
+                                   scratch_slot=self.cache.scratch_slot, device=self.device, graphs=self.use_graphs)
+        # Two host buffers for read-back: one step's tokens arrive while the other's are read.
+        pinned = self.device.type == "cuda"
+        self._host = [torch.empty(2, self.cache.num_slots, dtype=torch.float64, pin_memory=pinned)
+                      for _ in range(2)]
 
     def release_cache(self) -> None:
         """Free the KV cache, the graphs that read it and the fused weight copies (``reset_cache``
         makes new ones)."""
+        if self._launched is not None:
+            raise RuntimeError("cannot release the KV cache with a decode step in flight; flush or evict first")
         self.cache = self.decode = None
         self.model.fuse_projections(False)
         if self.device.type == "cuda":
@@ -181,9 +202,6 @@ class Engine:
         return sample(logits, st, vocab_start=self.model.shard.vocab_start, vocab_size=self.model.cfg.vocab_size,
                       group=self.model.tp_group, mode=mode)
 
-    def _eager_decode(self, ints: torch.Tensor, floats: torch.Tensor, mode: str):
-        return self._step_fn(ints.to(self.device), floats.to(self.device), mode)
-
     # ----- the loop ------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -208,20 +226,33 @@ class Engine:
         self.waiting.extend(self._prefill_units(requests))
 
     @property
+    def in_flight(self) -> int:
+        """Rows of the decode step launched but not yet read back (0 if none)."""
+        return len(self._launched.rows) if self._launched else 0
+
+    @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.active)
+        return bool(self.waiting or self.active or self._launched)
 
     @torch.no_grad()
     def step(self, on_finish: Callable[[Request], None] | None = None) -> None:
         """One iteration: admit and prefill what fits, then one decode step over the active batch."""
         self.prefill_waiting(on_finish)
-        if self.active:
-            self._decode_step(self.active)
+        if self.active or self._launched:
+            self._decode_step(on_finish)
+
+    def flush(self, on_finish: Callable[[Request], None] | None = None) -> None:
+        """Read back the decode step in flight, if any, and retire the requests it finished."""
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            self._read(launched)
             self._retire(on_finish)
 
     @torch.no_grad()
     def prefill_waiting(self, on_finish: Callable[[Request], None] | None = None) -> None:
         """Admit waiting requests into free slots and prefill them (the first half of ``step``)."""
+        if self.waiting and len(self.waiting[0]) <= self.cache.num_free:
+            self.flush(on_finish)  # the next decode step takes the admitted rows from the host
         admitted = []
         while self.waiting and len(self.waiting[0]) <= self.cache.num_free:
             unit = self.waiting.popleft()
@@ -234,10 +265,12 @@ class Engine:
             self.active += [r for unit in admitted for r in unit]
             self._retire(on_finish)
 
-    def evict(self) -> list[Request]:
+    def evict(self, on_finish: Callable[[Request], None] | None = None) -> list[Request]:
         """Take out every unfinished request, active ones first, and free their slots. Their tokens,
         log-probabilities and seeds stay with them; their KV does not (``cached_len`` drops to 0),
-        so submitting them to any engine recomputes it and continues where they stopped."""
+        so submitting them to any engine recomputes it and continues where they stopped. The step
+        in flight is read first (``on_finish`` sees the requests it finishes)."""
+        self.flush(on_finish)
         requests = self.active + [r for unit in self.waiting for r in unit]
         for r in self.active:
             self.cache.release(r.slot)
@@ -245,11 +278,12 @@ class Engine:
         self.active, self.waiting = [], deque()
         return requests
 
-    def detach(self) -> tuple[list[Request], list[Request]]:
+    def detach(self, on_finish: Callable[[Request], None] | None = None) -> tuple[list[Request], list[Request]]:
         """Take out every unfinished request, keeping its KV where it is: returns (active requests
         in batch order with their slots and ``cached_len``, waiting requests in queue order). The
         cache forgets them (every slot free), so that an engine over a view of the same memory can
-        ``adopt`` them."""
+        ``adopt`` them. The step in flight is read first (``on_finish`` sees what it finishes)."""
+        self.flush(on_finish)
         active, waiting = self.active, [r for unit in self.waiting for r in unit]
         self.active, self.waiting = [], deque()
         self.cache.release_all()
@@ -262,6 +296,8 @@ class Engine:
             if r.done or r.slot is None or not 0 < r.cached_len <= r.num_tokens - 1:
                 raise ValueError(f"request {r.request_id} cannot be adopted: done={r.done}, slot={r.slot}, "
                                  f"cached_len={r.cached_len} of {r.num_tokens} tokens")
+        if self._launched is not None:
+            raise RuntimeError("cannot adopt requests with a decode step in flight; flush first")
         self.cache.reserve([r.slot for r in requests])
         self.active += list(requests)
 
@@ -330,20 +366,59 @@ class Engine:
                                       vocab_start=self.model.shard.vocab_start,
                                       vocab_size=self.model.cfg.vocab_size, group=self.model.tp_group,
                                       mode=_mode(fresh))
-            self._record(fresh, tokens, logprobs)
+            self._record_device(fresh, tokens, logprobs)
 
-    def _decode_step(self, active: list[Request]) -> None:
-        ints, floats = _step_inputs(active)
-        ints[0] = torch.tensor([r.output_ids[-1] for r in active])
+    def _decode_step(self, on_finish: Callable[[Request], None] | None) -> None:
+        """Launch the next decode step, then read back the one before it."""
+        prev = self._launched
+        if prev is None:  # every row's state is on the host
+            rows = list(self.active)
+            ints, floats = _step_inputs(rows)
+            ints[0] = torch.tensor([r.output_ids[-1] for r in rows])
+            self.decode.load(ints, floats)
+        else:  # the rows of the step in flight that go on after it; its tokens are on the device
+            assert len(self.active) <= len(prev.rows), "rows joined without a flush"
+            keep = [i for i, r in enumerate(prev.rows)
+                    if not r.done and not r.ends_by_length(self.max_seq_len, pending=1)]
+            rows = [prev.rows[i] for i in keep]
+            if len(rows) < len(prev.rows):
+                self.decode.keep(keep)
+        self._launched = self._launch(rows) if rows else None
+        if prev is not None:
+            self._read(prev)
+            self._retire(on_finish)
+
+    def _launch(self, rows: list[Request]) -> _Launched:
         start = time.perf_counter()
-        tokens, logprobs = self.decode(ints, floats, _mode(active))
-        for r in active:
-            r.cached_len += 1
-        self._record(active, tokens, logprobs)  # reads the tokens back: waits for the step
-        self.stats.decode_steps.append((len(active), time.perf_counter() - start))
+        tokens, logprobs = self.decode.run(_mode(rows))
+        self._host.reverse()
+        host = self._host[0][:, :len(rows)]
+        host.copy_(torch.stack([tokens.double(), logprobs.double()]), non_blocking=True)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return _Launched(rows, host, ready, start)
 
-    def _record(self, requests: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        host = torch.stack([tokens.double(), logprobs.double()]).cpu()  # one device-to-host copy
+    def _read(self, launched: _Launched) -> None:
+        """Wait for a launched step's tokens and record them; rows whose request ended on an
+        earlier token are dropped."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        live = [(r, i) for i, r in enumerate(launched.rows) if not r.done]
+        for r, _ in live:
+            r.cached_len += 1
+        self._record([r for r, _ in live], launched.host[:, [i for _, i in live]])
+        now = time.perf_counter()
+        self.stats.decode_steps.append((len(launched.rows), now - max(launched.start, self._last_read)))
+        self._last_read = now
+
+    def _record_device(self, requests: list[Request], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Record tokens still on the device (waits for them)."""
+        self._record(requests, torch.stack([tokens.double(), logprobs.double()]).cpu())  # one copy
+
+    def _record(self, requests: list[Request], host: torch.Tensor) -> None:
+        """host [2, len(requests)]: tokens, log-probabilities."""
         for r, token, logprob in zip(requests, host[0].long().tolist(), host[1].tolist()):
             r.append(token, logprob, stop_ids=self._stop_ids(r), max_seq_len=self.max_seq_len)
         self.stats.generated_tokens += len(requests)

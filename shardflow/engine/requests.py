@@ -69,16 +69,20 @@ class Request:
         """Prompt plus generated tokens."""
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def ends_by_length(self, max_seq_len: int, *, pending: int = 0) -> bool:
+        """Whether the request is at a length limit once ``pending`` more tokens are appended
+        (the rule ``append`` applies, known before the tokens are)."""
+        return (len(self.output_ids) + pending >= self.params.max_new_tokens
+                or self.num_tokens + pending >= max_seq_len)
+
     def append(self, token: int, logprob: float, *, stop_ids: frozenset[int], max_seq_len: int) -> None:
         """Record a generated token and decide whether the request ends with it."""
         self.output_ids.append(token)
         self.output_logprobs.append(logprob)
         if token in stop_ids:
             self.finish_reason = STOP
-        elif len(self.output_ids) >= self.params.max_new_tokens:
-            self.finish_reason = LENGTH
-        elif self.num_tokens >= max_seq_len:
-            self.finish_reason = CONTEXT
+        elif self.ends_by_length(max_seq_len):
+            self.finish_reason = LENGTH if len(self.output_ids) >= self.params.max_new_tokens else CONTEXT
 
 
 def derive_seed(base: int, *keys: int) -> int:

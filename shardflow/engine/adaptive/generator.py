@@ -200,9 +200,9 @@ class AdaptiveGenerator:
                 if target is not None:
                     layout = self._switch(layout, target, mode, step, decision, trace, finished)
                     engine = self.engines[layout]
-            steps_before, tick = len(engine.stats.decode_steps), time.perf_counter()
+            tick = time.perf_counter()
             engine.step(finished)
-            decoded = engine.stats.decode_steps[-1][0] if len(engine.stats.decode_steps) > steps_before else 0
+            decoded = engine.in_flight  # the rows this step launched
             counts.append(decoded if layout.coord(rank).tp == 0 else 0)  # one count per replica
             seconds.append(time.perf_counter() - tick)
             trace.layout_index.append(self.chain.index(layout))
@@ -314,6 +314,7 @@ class AdaptiveGenerator:
         rank, cfg = self.world.rank, self.cfg
         merge = plan_merge(layout, target)
         old, new = self.engines[layout], self.engines[target]
+        old.flush(finished)  # the step in flight belongs to the old layout
         device = new.device
         cuda = device.type == "cuda"
         if cuda:
@@ -328,7 +329,7 @@ class AdaptiveGenerator:
                 self.models[target].fuse_projections(True)
         t1 = time.perf_counter()
 
-        active, waiting = old.detach()
+        active, waiting = old.detach(finished)
         old_slot = {r.request_id: r.slot for r in active}
         parts = gather_requests(self.world.groups.get(target.tp_group(rank)), merge, rank, active, waiting)
         merged = [r for p in parts for r in p.active]
