@@ -8,8 +8,8 @@
    cases (some 360 kernel compilations: minutes).
 2. The projections as plain ``F.linear`` per weight shape (and with q/k/v and gate/up fused), GB/s of
    weight read, at batch 1 and 64.
-3. A kernel-level profile (torch.profiler) of the engine's decode step, eager and compiled, at
-   batch 1 and 64: the top kernels by device time.
+3. A kernel-level profile (torch.profiler) of the engine's compiled decode step (and with
+   ``--eager`` the eager one) at batch 1 and 64: the top kernels by device time.
 Writes ``decode_profile.json`` to ``--out`` and prints the best settings found.
 """
 
@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also sweep the decode attention's knobs")
+    parser.add_argument("--eager", action="store_true", help="also profile the eager decode step")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda":
@@ -121,7 +122,7 @@ def main() -> None:
         result["linear"] = linear_sweep(device, cfg, dtype)
         model = random_model(cfg, device, dtype)
         result["profile"] = {}
-        for (b, c), comp in itertools.product(((1, 1024), (64, 1024)), (False, True)):
+        for (b, c), comp in itertools.product(((1, 1024), (64, 1024)), (True, False) if args.eager else (True,)):
             key = f"b{b}_ctx{c}_{'compiled' if comp else 'eager'}"
             try:
                 result["profile"][key] = kernel_profile(model, device, b, c, comp)

@@ -16,7 +16,7 @@ from shardflow.engine.optimizer import AdamW, OptimConfig, lr_at
 from shardflow.engine.train import TrainEngine
 from shardflow.models.checkpoint import load_model
 from shardflow.parallel.layout import Layout
-from shardflow.parallel.tensor_parallel import vocab_parallel_entropy
+from shardflow.parallel.token_stats import token_logprobs_and_entropy
 from shardflow.parallel.world import World
 
 from train_reference import TokenLoss, make_batch
@@ -95,17 +95,23 @@ def test_flat_adamw_matches_torch_adamw():
 # ----- entropy gradient ----------------------------------------------------------------------
 
 
-def test_entropy_gradient_matches_autograd():
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprob_and_entropy_values_and_gradients_match_autograd(temperature):
     logits = 3 * torch.randn(3, 5, 11)
     logits[..., -2:] = float("-inf")  # vocabulary padding
-    weights = torch.randn(3, 5)
+    targets = torch.randint(0, 9, (3, 5))
+    w_lp, w_h = torch.randn(3, 5), torch.randn(3, 5)
     x1 = logits.clone().requires_grad_()
-    (vocab_parallel_entropy(x1, None) * weights).sum().backward()
+    lp, h = token_logprobs_and_entropy(x1, targets, 0, None, temperature=temperature)
+    (lp * w_lp + h * w_h).sum().backward()
     x2 = logits[..., :-2].double().requires_grad_()  # float64 reference
-    logp = torch.log_softmax(x2, -1)
-    (-(logp.exp() * logp).sum(-1) * weights.double()).sum().backward()
+    logp = torch.log_softmax(x2 / temperature, -1)
+    lp2, h2 = logp.gather(-1, targets[..., None])[..., 0], -(logp.exp() * logp).sum(-1)
+    (lp2 * w_lp.double() + h2 * w_h.double()).sum().backward()
     # the engine works in float32: rounding of terms of size ~1-10
-    torch.testing.assert_close(x1.grad[..., :-2], x2.grad.float(), atol=2e-6, rtol=0)
+    torch.testing.assert_close(lp, lp2.float(), atol=2e-6, rtol=0)
+    torch.testing.assert_close(h, h2.float(), atol=2e-6, rtol=0)
+    torch.testing.assert_close(x1.grad[..., :-2], x2.grad.float(), atol=4e-6, rtol=0)
     assert not x1.grad[..., -2:].any()
 
 

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from shardflow.engine.micro_batches import MicroBatch
 from shardflow.models.transformer import Transformer
-from shardflow.parallel.tensor_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 
 LM_OUTPUTS = ("logprobs", "entropy")
 VALUE_OUTPUTS = ("values",)
@@ -39,11 +38,7 @@ def token_outputs(model: Transformer, hidden: torch.Tensor, mb: MicroBatch, name
     if model.cfg.value_head:
         out["values"] = model.values(before).float()  # [B,T-1]
     else:
-        logits = model.logits(before)  # [B,T-1,V_local], vocabulary padding at -inf
-        if temperature != 1.0:
-            logits = logits / temperature
-        if "logprobs" in names:
-            out["logprobs"] = vocab_parallel_logprobs(logits, ids[:, 1:], model.shard.vocab_start, model.tp_group)
-        if "entropy" in names:
-            out["entropy"] = vocab_parallel_entropy(logits if entropy_grad else logits.detach(), model.tp_group)
+        # Both from one pass over the logits (the entropy costs nothing extra).
+        out["logprobs"], entropy = model.token_stats(before, ids[:, 1:], temperature)
+        out["entropy"] = entropy if entropy_grad else entropy.detach()
     return {k: mb.pack(F.pad(v, (1, 0))) for k, v in out.items() if k in names}

@@ -23,12 +23,8 @@ from torch.utils.checkpoint import checkpoint
 from shardflow.models.config import ModelConfig, rope_inv_freq
 from shardflow.parallel.comm import copy_to_tp
 from shardflow.parallel.sharding import RankShard
-from shardflow.parallel.tensor_parallel import (
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    vocab_parallel_entropy,
-    vocab_parallel_logprobs,
-)
+from shardflow.parallel.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
+from shardflow.parallel.token_stats import token_logprobs_and_entropy
 
 # attend(layer_index, q [B,h,T,d], k [B,k,T,d], v [B,k,T,d]) -> [B,h,T,d]. The generation engine
 # passes one that reads and writes its KV cache; None means plain causal self-attention.
@@ -275,16 +271,13 @@ class Transformer(nn.Module):
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """log p(targets) [B,T] under softmax(logits / temperature), computed vocab-parallel."""
-        logits = self.logits(hidden)
-        if temperature != 1.0:
-            logits = logits / temperature
-        return vocab_parallel_logprobs(logits, targets, self.shard.vocab_start, self.tp_group)
+        return self.token_stats(hidden, targets, temperature)[0]
 
-    def entropy(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        logits = self.logits(hidden)
-        if temperature != 1.0:
-            logits = logits / temperature
-        return vocab_parallel_entropy(logits, self.tp_group)
+    def token_stats(self, hidden: torch.Tensor, targets: torch.Tensor,
+                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log p(targets), entropy) [B,T] of softmax(logits / temperature), both differentiable."""
+        return token_logprobs_and_entropy(self.logits(hidden), targets, self.shard.vocab_start, self.tp_group,
+                                          temperature=temperature)
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
         """Scalar per token [B,T] from the value head."""

@@ -1,0 +1,74 @@
+"""The Triton log-prob / entropy kernels against their torch twins, run by Triton's CPU
+interpreter (in a fresh process with ``TRITON_INTERPRET=1``: Triton picks the interpreter when a
+kernel is defined)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+
+def check_kernels() -> None:
+    from shardflow.parallel import token_stats as ts
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    g = torch.Generator().manual_seed(0)
+    # columns: under one block, several blocks with a ragged end; a vocabulary slice (vocab_start)
+    # whose targets partly fall outside it; padding columns at -inf; bf16 as on the GPU.
+    for n, v, start, dtype, scale in [(5, 37, 0, torch.float32, 1.0), (4, 2 * ts.BLOCK_V + 129, 100, torch.float32, 1.3),
+                                      (3, ts.BLOCK_V + 7, 0, torch.bfloat16, 1.0)]:
+        x = (4 * torch.randn(n, v, generator=g)).to(dtype)
+        x[:, -3:] = float("-inf")
+        x[-1] = float("-inf")  # a row whose columns here are all padding (a tp rank past the vocabulary)
+        targets = torch.randint(start, start + v - 3, (n,), generator=g)
+        targets[0] = targets[-1] = start + v + 5  # on another rank
+        want = ts.local_stats_torch(x, targets, start, scale)
+        got = ts.local_stats_triton(x, targets, start, scale)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5, msg=f"stats {n} {v} {dtype}")
+        log_z, _, entropy = ts.combine(want, None)
+        # the all-padding row's statistics come from the other ranks: any finite values
+        log_z[-1], entropy[-1] = 5.0, 2.0
+        grad_lp, grad_h = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        args = (x, targets, start, scale, log_z, entropy, grad_lp, grad_h)
+        atol = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(ts.grad_triton(*args).float(), ts.grad_torch(*args).float(), atol=atol, rtol=0,
+                                   msg=f"grad {n} {v} {dtype}")
+
+
+def test_triton_kernels_match_torch_in_the_interpreter():
+    code = "import test_token_stats as t; t.check_kernels(); print('checked')"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-4000:]
+
+
+def test_vocabulary_slices_combine_to_the_full_softmax():
+    """Statistics of two column slices, combined as two tp ranks would (sums over the slices), give
+    the log-probabilities and entropy of the whole vocabulary."""
+    from shardflow.parallel.token_stats import combine, local_stats_torch
+
+    g = torch.Generator().manual_seed(1)
+    x = 3 * torch.randn(6, 20, generator=g)
+    x[:, 12:] += 2.0  # the slices have different maxima
+    targets = torch.randint(0, 20, (6,), generator=g)
+    parts = [local_stats_torch(x[:, :9], targets, 0, 1.0), local_stats_torch(x[:, 9:], targets, 9, 1.0)]
+    row_max = torch.maximum(parts[0][:, 0], parts[1][:, 0])
+    rescaled = []
+    for p in parts:  # what combine does before its all-reduce, by hand per rank
+        alpha = torch.exp(p[:, 0] - row_max)
+        rescaled.append(torch.stack([p[:, 1] * alpha, (p[:, 2] + (p[:, 0] - row_max) * p[:, 1]) * alpha, p[:, 3]]))
+    total = rescaled[0] + rescaled[1]
+    merged = torch.stack([row_max, total[0], total[1], total[2]], dim=-1)  # already global: combine adds nothing
+    log_z, lp, h = combine(merged, None)
+    logp = torch.log_softmax(x.double(), -1)
+    torch.testing.assert_close(lp, logp.gather(-1, targets[:, None])[:, 0].float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(h, -(logp.exp() * logp).sum(-1).float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(log_z, torch.logsumexp(x, -1), atol=1e-5, rtol=0)
