@@ -29,9 +29,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from generation import LLAMA_8B, TINY, llama_config, measure_bandwidth, random_model, timed  # noqa: E402
 
-from shardflow.engine.decode_attention import decode_attention_triton  # noqa: E402
+from shardflow.engine.decode_attention import (  # noqa: E402
+    BLOCK_N,
+    NUM_STAGES,
+    NUM_WARPS,
+    PROGRAMS_PER_SM,
+    decode_attention_triton,
+)
 from shardflow.engine.generate import Engine, EngineConfig  # noqa: E402
 from shardflow.engine.requests import SamplingParams, make_requests  # noqa: E402
+
+
+ENGINE_KNOBS = (BLOCK_N, PROGRAMS_PER_SM, NUM_WARPS, NUM_STAGES)  # what the engine runs
 
 
 def attention_sweep(device, cfg, cases, dtype) -> list[dict]:
@@ -105,6 +114,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also sweep the decode attention's knobs")
     parser.add_argument("--eager", action="store_true", help="also profile the eager decode step")
+    parser.add_argument("--sweep-cases", default="1x8192,16x1024,64x1024,64x8192,256x1024",
+                        help="batch x context cases of the sweep, comma-separated")
+    parser.add_argument("--sweep-only", action="store_true", help="only the attention sweep")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda":
@@ -117,12 +129,14 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     if device.type == "cuda":
         result["bandwidth_gb_s"] = measure_bandwidth(device, 4) / 1e9
-        cases = [(1, 8192), (16, 1024), (64, 1024), (64, 8192), (256, 1024)]
-        result["attention"] = attention_sweep(device, cfg, cases, dtype) if args.sweep else []
-        result["linear"] = linear_sweep(device, cfg, dtype)
-        model = random_model(cfg, device, dtype)
+        cases = [tuple(int(x) for x in case.split("x")) for case in args.sweep_cases.split(",")]
+        result["attention"] = attention_sweep(device, cfg, cases, dtype) if args.sweep or args.sweep_only else []
+        (out / "decode_profile.json").write_text(json.dumps(result, indent=2))
+        result["linear"] = [] if args.sweep_only else linear_sweep(device, cfg, dtype)
+        model = None if args.sweep_only else random_model(cfg, device, dtype)
         result["profile"] = {}
-        for (b, c), comp in itertools.product(((1, 1024), (64, 1024)), (True, False) if args.eager else (True,)):
+        for (b, c), comp in itertools.product(() if args.sweep_only else ((1, 1024), (64, 1024)),
+                                              (True, False) if args.eager else (True,)):
             key = f"b{b}_ctx{c}_{'compiled' if comp else 'eager'}"
             try:
                 result["profile"][key] = kernel_profile(model, device, b, c, comp)
@@ -134,7 +148,7 @@ def main() -> None:
         for batch, context in sorted({(r["batch"], r["context"]) for r in result["attention"]}):
             ok = [r for r in result["attention"] if r["batch"] == batch and r["context"] == context and "gbps" in r]
             best = max(ok, key=lambda r: r["gbps"])
-            default = next(r for r in ok if (r["block"], r["pps"], r["warps"], r["stages"]) == (64, 4, 4, 2))
+            default = next(r for r in ok if (r["block"], r["pps"], r["warps"], r["stages"]) == ENGINE_KNOBS)
             print(f"attention b{batch} ctx{context}: default {default['gbps']:.0f} GB/s, best {best['gbps']:.0f} GB/s "
                   f"(block {best['block']} pps {best['pps']} warps {best['warps']} stages {best['stages']})")
         for r in result["linear"]:

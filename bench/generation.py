@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shardflow.engine.decode_attention import ATTENTION  # noqa: E402
+from shardflow.config import COMPILE_MODES  # noqa: E402
 from shardflow.engine.generate import Engine, EngineConfig  # noqa: E402
 from shardflow.engine.kv_cache import bytes_per_slot  # noqa: E402
 from shardflow.engine.requests import SamplingParams, make_requests  # noqa: E402
@@ -99,13 +100,13 @@ def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, see
 
 # ----- parity: fast path against plain path --------------------------------------------------------
 
-def parity_check(device: torch.device, compile_: bool) -> dict:
+def parity_check(device: torch.device, compile_: bool, compile_mode: str = "default") -> dict:
     from shardflow.models.checkpoint import load_model
     from shardflow.models.tiny import make_tiny_checkpoint
     from shardflow.parallel.world import World
 
     fast = dict(attention="triton" if device.type == "cuda" else "torch", cuda_graphs=device.type == "cuda",
-                compile=compile_)
+                compile=compile_, compile_mode=compile_mode)
     plain = dict(attention="torch", cuda_graphs=False, compile=False)
     world = World(rank=0, size=1, device=device, backend="nccl" if device.type == "cuda" else "gloo")
     lengths = (3, 17, 40, 9)
@@ -242,6 +243,12 @@ def main() -> None:
     parser.add_argument("--hf-steps", type=int, default=None, help="decode steps of transformers per case")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the decode step (default: on GPU only)")
+    parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
+                        help="torch.compile mode of the decode step; other than default, every batch size "
+                             "compiles for its own static shapes (autotuned kernels are chosen per shape)")
+    parser.add_argument("--coordinate-descent", action="store_true",
+                        help="let inductor tune each generated kernel's launch settings (slower compilation)")
+    parser.add_argument("--skip-transformers", action="store_true", help="do not measure transformers generate")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -257,7 +264,13 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                        torch=torch.__version__, dtype=str(dtype), shape=shape, compile=compile_, steps=steps)
+                        torch=torch.__version__, dtype=str(dtype), shape=shape, compile=compile_,
+                        compile_mode=args.compile_mode, steps=steps)
+    if args.compile_mode != "default":
+        torch._dynamo.config.automatic_dynamic_shapes = False
+    if args.coordinate_descent:
+        torch._inductor.config.coordinate_descent_tuning = True
+        report["coordinate_descent"] = True
     t0 = time.perf_counter()
 
     def save() -> None:  # after every section, so a run cut short still leaves what it measured
@@ -269,7 +282,7 @@ def main() -> None:
     print(f"device {report['device']}: copy bandwidth {report['bandwidth_gb_per_s']:.0f} GB/s")
 
     try:
-        report["parity"] = parity_check(device, compile_)
+        report["parity"] = parity_check(device, compile_, args.compile_mode)
     except Exception as e:  # noqa: BLE001 - a failed compilation is reported, then measured without
         if not compile_:
             raise
@@ -296,7 +309,7 @@ def main() -> None:
     engine = Engine(model, EngineConfig(max_seq_len=max(contexts) + steps + 1, max_batch_size=max(batches),
                                         kv_cache_bytes=(2 * bytes_per_slot(model.shard, cfg, max(contexts) + steps,
                                                                            dtype)),
-                                        compile=compile_))
+                                        compile=compile_, compile_mode=args.compile_mode))
     rows, skipped = report["engine"], report["skipped"] = [], []
     for context in contexts:
         for batch in batches:
@@ -317,9 +330,11 @@ def main() -> None:
     engine.release_cache()
     del engine
 
-    print(f"[{time.perf_counter() - t0:.0f}s] transformers generate")
-    hf_cases = list(dict.fromkeys([(1, min(contexts)), (min(16, max(batches)), min(contexts)), (1, max(contexts))]))
-    report["transformers"] = bench_transformers(model, cfg, device, hf_cases, hf_steps)
+    hf_cases = [] if args.skip_transformers else list(dict.fromkeys(
+        [(1, min(contexts)), (min(16, max(batches)), min(contexts)), (1, max(contexts))]))
+    if hf_cases:
+        print(f"[{time.perf_counter() - t0:.0f}s] transformers generate")
+    report["transformers"] = bench_transformers(model, cfg, device, hf_cases, hf_steps) if hf_cases else []
     for row in report["transformers"]:
         ours = next((r for r in rows if (r["batch"], r["context"]) == (row["batch"], row["context"])), None)
         row["speedup"] = row["ms_per_step"] / ours["ms_per_step"] if ours else None

@@ -75,6 +75,10 @@ class DataConfig:
         _positive(f"{where}.max_prompt_tokens", self.max_prompt_tokens)
 
 
+# torch.compile modes of the decode step that leave CUDA graphs to the engine (which captures its own)
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
 @dataclass(kw_only=True)
 class GenerationConfig:
     max_new_tokens: int = _f(256, "response length limit")
@@ -86,6 +90,8 @@ class GenerationConfig:
     kv_cache_gb: float = _f(0.0, "KV cache budget per rank in GiB (0 = a default share of free memory)")
     force_length: bool = _f(False, "ignore EOS and stop tokens: every response gets max_new_tokens (benchmarks)")
     compile: bool = _f(True, "torch.compile the decode step on GPUs (tp=1 layouts; sampling is compiled always)")
+    compile_mode: str = _f("default", "torch.compile mode of the decode step: default | max-autotune-no-cudagraphs "
+                                      "(autotuned kernels; much longer compilation)")
     adaptive_tp: bool = _f(False, "switch generation to the plan's tp_targets mid-decode when that is predicted to pay")
     adaptive_interval: int = _f(32, "adaptive TP: decode steps between switch decisions")
     adaptive_margin: float = _f(0.25, "adaptive TP: switch when the predicted saving exceeds the switch cost by "
@@ -98,6 +104,7 @@ class GenerationConfig:
         _positive(f"{where}.adaptive_interval", self.adaptive_interval)
         _positive(f"{where}.adaptive_margin", self.adaptive_margin, allow_zero=True)
         _choice(f"{where}.adaptive_kv", self.adaptive_kv, ("auto", "migrate", "recompute"))
+        _choice(f"{where}.compile_mode", self.compile_mode, COMPILE_MODES)
         _positive(f"{where}.max_new_tokens", self.max_new_tokens)
         _positive(f"{where}.samples_per_prompt", self.samples_per_prompt)
         _positive(f"{where}.temperature", self.temperature, allow_zero=True)

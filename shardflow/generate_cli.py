@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 import torch
 
+from shardflow.config import COMPILE_MODES
 from shardflow.engine.generate import Engine, EngineConfig
 from shardflow.engine.replicas import generate_replicated
 from shardflow.engine.requests import Request, SamplingParams, make_requests
@@ -64,6 +65,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-prompts", type=int, default=1024, help="prompts per chunk written together")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (GPU, tp=1)")
+    p.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                   help="torch.compile mode of the decode step with --compile (max-autotune-no-cudagraphs: "
+                        "autotuned kernels, much longer compilation)")
     p.set_defaults(run=run)
 
 
@@ -100,7 +104,8 @@ def prepare(args: argparse.Namespace) -> Job:
     requests = make_requests(prompts, params, args.samples_per_prompt)
     # Every KV slot holds max_seq_len positions: no more than the longest request can use.
     max_seq_len = min(limit, max(len(p) for p in prompts) + args.max_new_tokens)
-    engine = EngineConfig(max_seq_len=max_seq_len, max_batch_size=args.max_batch_size, compile=args.compile)
+    engine = EngineConfig(max_seq_len=max_seq_len, max_batch_size=args.max_batch_size, compile=args.compile,
+                          compile_mode=args.compile_mode)
     return Job(model=str(model), layout=str(layout), output=args.output, dtype=args.dtype, engine=engine,
                records=records, requests=requests, samples_per_prompt=args.samples_per_prompt,
                chunk_prompts=args.chunk_prompts)

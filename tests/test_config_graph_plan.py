@@ -34,6 +34,9 @@ def test_overrides_types_and_unknown_keys(base_file):
         load_config(base_file, ["algorithm.name=dpo"])
     with pytest.raises(ValueError, match="models.critic is required"):
         load_config(base_file, ["algorithm.name=ppo"])
+    with pytest.raises(ValueError, match="generation.compile_mode must be one of default, max-autotune-no-cudagraphs; "
+                                         "got 'reduce-overhead'"):
+        load_config(base_file, ["generation.compile_mode=reduce-overhead"])
 
 
 def test_graphs_of_ppo_and_grpo(base_file):

@@ -54,6 +54,38 @@ def test_requests_end_on_stop_tokens_eos_length_and_context(llama):
         run(model, [prompt + [5] * 4], config=context, max_new_tokens=12)
 
 
+def test_the_host_reads_each_step_while_the_next_one_runs(llama):
+    """A step launches the next decode step before reading back the previous one's tokens, so the
+    requests lag the device by one step until ``flush``. A request that stops on EOS costs one
+    extra row (its next step was launched before its EOS was read), one that ends by length none."""
+    path, model = llama
+    prompt = prompts()[1]
+    expected = hf_greedy(path, prompt, 12, eos=None)
+    end = next(i for i in range(2, 12) if expected[i] not in expected[:i])  # the first new token from the 3rd on
+
+    [r], engine = run(model, [prompt], eos=(expected[end],), max_new_tokens=12, **GREEDY)
+    assert r.output_ids == expected[:end + 1] and r.finish_reason == "stop"
+    assert [b for b, _ in engine.stats.decode_steps] == [1] * (end + 1)  # end useful steps, one wasted
+    assert engine.stats.generated_tokens == end + 1 and engine.cache.num_free == engine.cache.num_slots
+    [r], engine = run(model, [prompt], eos=(), max_new_tokens=end + 1, **GREEDY)
+    assert r.output_ids == expected[:end + 1] and len(engine.stats.decode_steps) == end  # none wasted
+
+    engine = Engine(model, EngineConfig(max_seq_len=64), eos_token_ids=())
+    [r] = make_requests([prompt], SamplingParams(max_new_tokens=12, **GREEDY))
+    engine.submit([r])
+    engine.step()  # prefill (the first token), then decode step 1 launched
+    assert r.output_ids == expected[:1] and engine.in_flight == 1
+    engine.step()  # step 2 launched, step 1 read
+    assert r.output_ids == expected[:2] and engine.in_flight == 1
+    engine.flush()
+    assert r.output_ids == expected[:3] and engine.in_flight == 0 and r.cached_len == len(prompt) + 2
+    engine.step()  # inputs from the host again
+    [left] = engine.evict()  # reads the step in flight first
+    assert left is r and r.output_ids == expected[:4] and r.slot is None and not engine.busy
+    engine.generate([r])  # recomputes its KV and goes on
+    assert r.output_ids == expected and r.finish_reason == "length"
+
+
 def test_requests_wait_for_slots_and_the_batch_shrinks_as_they_finish(llama):
     path, model = llama
     ids = prompts(lengths=(5, 9, 13, 7, 11))

@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from shardflow.config import COMPILE_MODES
 from shardflow.engine.compile_fallback import compiled_or_eager
 from shardflow.engine.cuda_graphs import DecodeRunner
 from shardflow.engine.decode_attention import ATTENTION
@@ -55,6 +56,7 @@ class EngineConfig:
     attention: str = "auto"  # decode attention: "torch", "triton", or "auto" (triton on CUDA)
     cuda_graphs: bool | None = None  # capture decode steps as CUDA graphs; None: on CUDA
     compile: bool = False  # torch.compile the decode step (fuses elementwise ops; tp = 1 only)
+    compile_mode: str = "default"  # torch.compile mode of the decode step (one that leaves graphs to the engine)
 
     def __post_init__(self) -> None:
         if self.attention not in ("auto", *ATTENTION):
@@ -63,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"max_seq_len must be at least 2, got {self.max_seq_len}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be positive, got {self.max_batch_size}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}; got {self.compile_mode!r}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
@@ -108,7 +112,8 @@ class Engine:
             raise ValueError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
         if config.compile and shard.tp_size > 1:
             raise ValueError("compile is implemented for tp=1 only; run tp > 1 without it")
-        self._step_fn = compiled_or_eager(self._step, "the decode step") if config.compile else self._step
+        self._step_fn = (compiled_or_eager(self._step, "the decode step", mode=config.compile_mode)
+                         if config.compile else self._step)
         self.stats = GenerationStats()
         self.waiting: deque[list[Request]] = deque()  # prefill units waiting for free slots
         self.active: list[Request] = []  # requests holding a slot, in admission order

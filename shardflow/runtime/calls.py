@@ -289,4 +289,5 @@ def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int, de
         max_batch_size=max(1, per_replica),
         kv_cache_bytes=int(gen.kv_cache_gb * (1 << 30)) or None,
         compile=gen.compile and device.type == "cuda" and layout.tp == 1,
+        compile_mode=gen.compile_mode,
     )
