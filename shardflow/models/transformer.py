@@ -206,6 +206,10 @@ class Transformer(nn.Module):
         ``torch.compile``d function, which fuses the norms, rotary embedding and activation into few
         kernels. The compiled code is tried once on a small input first; if compilation fails the
         model stays eager and this returns False."""
+        # One code object serves every layer of every model, in both grad modes and several shape
+        # classes (size-1 dimensions specialise); past dynamo's recompile limit (8 by default) new
+        # variants would run eager without notice beyond a log line.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         compiled = torch.compile(_layer_forward, dynamic=True)
         layer = next(iter(self.model.layers.values()), None)
         if layer is None:
