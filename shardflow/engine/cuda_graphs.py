@@ -56,8 +56,10 @@ class DecodeRunner:
     """Runs ``step`` over the first ``batch`` rows of its buffers, eagerly or through graphs."""
 
     def __init__(self, step: StepFn, *, max_batch: int, scratch_slot: int, device: torch.device,
-                 graphs: bool):
+                 graphs: bool, pad: bool | None = None):
+        """``pad``: run batches padded to their bucket (default: with graphs, which need it)."""
         self.step, self.device, self.scratch_slot, self.use_graphs = step, device, scratch_slot, graphs
+        self.pad = graphs if pad is None else pad
         self.buckets = batch_buckets(max_batch)
         n = self.buckets[-1]
         pad_ints, pad_floats = dummy_rows(scratch_slot, n)
@@ -70,7 +72,7 @@ class DecodeRunner:
 
     def bucket(self, batch: int) -> int:
         """Rows a step over ``batch`` requests computes (padded up to a graph's size)."""
-        return next(n for n in self.buckets if n >= batch) if self.use_graphs else batch
+        return next(n for n in self.buckets if n >= batch) if self.pad else batch
 
     def load(self, ints: torch.Tensor, floats: torch.Tensor) -> None:
         """Rows from the host: ints [5,B], floats [2,B]."""
@@ -102,7 +104,7 @@ class DecodeRunner:
             ints = self.ints[:, :n]
             tokens, logprobs = self.step(ints, self.floats[:, :n], mode)
             advance(ints, tokens, self.scratch_slot)
-            return tokens, logprobs
+            return tokens[:batch], logprobs[:batch]
         self.capture(n, mode)
         self.graphs[(n, mode)].replay()
         tokens, logprobs = self.outputs[(n, mode)]
