@@ -9,7 +9,8 @@ In one run, on one device:
    torch.compile unless --no-compile) against the plain path (eager, torch attention) on the same
    device, greedy: float32 tokens must be identical; in bfloat16 every fast-path token must be the
    plain path's argmax up to bf16 rounding (a top-2 margin below BF16_TIE counts as a tie);
-3. the Triton decode attention alone: achieved GB/s reading the KV cache;
+3. the Triton decode attention alone (20 calls per CUDA graph replay, so that launch overhead
+   does not count): achieved GB/s reading the KV cache;
 4. the engine on random weights of the model shape, forced output length (EOS ignored), for each
    batch size x context: ms per decode step, achieved GB/s, and the roofline
    (weight bytes + KV bytes read per step) / measured bandwidth;
@@ -64,6 +65,20 @@ def timed(fn, device: torch.device, repeat: int) -> float:
         sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def kernel_timed(fn, device: torch.device, calls: int = 20, repeat: int = 5) -> float:
+    """Seconds per call of ``fn`` with no launch overhead: on CUDA, ``calls`` calls captured in one
+    graph, median of ``repeat`` replays; elsewhere ``timed``."""
+    if device.type != "cuda":
+        return timed(fn, device, repeat)
+    fn()  # compile and warm up outside the capture
+    sync(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return timed(graph.replay, device, repeat) / calls
 
 
 def measure_bandwidth(device: torch.device, gib: float) -> float:
@@ -171,7 +186,7 @@ def bench_attention(cfg: ModelConfig, device: torch.device, cases: list[tuple[in
         q = torch.randn(batch, cfg.num_heads, d, device=device, dtype=torch.bfloat16)
         slots = torch.arange(batch, device=device)
         lengths = torch.full((batch,), context, device=device)
-        seconds = timed(lambda: attention(q, k, v, slots, lengths, None), device, repeat=20)
+        seconds = kernel_timed(lambda: attention(q, k, v, slots, lengths, None), device)
         nbytes = 2 * batch * kv_heads * context * d * 2
         rows.append(dict(batch=batch, context=context, us=seconds * 1e6, gb_per_s=nbytes / seconds / 1e9,
                          fraction_of_bandwidth=nbytes / seconds / bandwidth))
