@@ -45,8 +45,8 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     valid = pos[None, :] < lengths[:, None]  # [B,M]
     if window is not None:
         valid &= pos[None, :] >= lengths[:, None] - window
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid[:, None, None, :],
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    gqa = True if q.shape[1] != k.shape[1] else False  # a bool, not a SymBool, under torch.compile
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid[:, None, None, :], enable_gqa=gqa)
     return out[:, :, 0]
 
 

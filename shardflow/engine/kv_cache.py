@@ -25,6 +25,16 @@ def bytes_per_slot(shard: RankShard, cfg: ModelConfig, max_len: int, dtype: torc
     return 2 * len(shard.layers) * shard.num_kv_heads * max_len * cfg.head_dim * item
 
 
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store k, v [B, kv_heads, T, d] into caches [S, kv_heads, M, d] at rows ``slots`` [B] and
+    ``positions`` [B, T]."""
+    # Indices on dims 0 and 2 around a slice: the indexed view is [B, T, kv_heads, d].
+    rows = slots[:, None].expand_as(positions)
+    k_cache[rows, :, positions] = k.transpose(1, 2)
+    v_cache[rows, :, positions] = v.transpose(1, 2)
+
+
 class KVCache:
     def __init__(self, k: dict[int, torch.Tensor], v: dict[int, torch.Tensor]):
         """A cache over existing contiguous tensors [slots + 1, kv_heads, max_len, head_dim] per
@@ -113,10 +123,7 @@ class KVCache:
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         """Store k, v [B, kv_heads, T, d] of rows ``slots`` [B] at ``positions`` [B, T]."""
-        # Indices on dims 0 and 2 around a slice: the indexed view is [B, T, kv_heads, d].
-        rows = slots[:, None].expand_as(positions)
-        self.k[layer][rows, :, positions] = k.transpose(1, 2)
-        self.v[layer][rows, :, positions] = v.transpose(1, 2)
+        write_kv(self.k[layer], self.v[layer], slots, positions, k, v)
 
     def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slots ``dsts`` (shared prompts)."""

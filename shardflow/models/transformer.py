@@ -53,7 +53,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     """Causal self-attention over right-padded sequences (padding comes after every real token,
     so a real token never attends to it). ``window``: a token sees at most that many tokens."""
     T = q.shape[2]
-    gqa = q.shape[1] != k.shape[1]
+    gqa = True if q.shape[1] != k.shape[1] else False  # a bool, not a SymBool, under torch.compile
     if window is None or T <= window:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     i = torch.arange(T, device=q.device)

@@ -8,7 +8,8 @@ with several GPUs the all-reduce bus bandwidth and point-to-point bandwidth betw
 
 What is timed is what the runtime runs: on GPUs, tp=1 layers go through ``torch.compile`` as the
 runtime compiles them (``compile_layers=False`` for runs that keep them eager), and a decode step
-attends with the engine's decode attention over a cache in the engine's layout. Decode steps are
+attends with the engine's decode attention over a cache in the engine's layout (compiled at tp=1
+on GPUs, as the engine compiles its decode step). Decode steps are
 timed eagerly by default (kernel launches included), or as captured CUDA graphs with
 ``cuda_graphs`` to match an engine that replays graphs. Grid cells whose KV cache would not fit are
 filled from the roofline scaled by the nearest measured cell.
@@ -26,7 +27,9 @@ from typing import Callable
 
 import torch
 
+from shardflow.engine.compile_fallback import compiled_or_eager
 from shardflow.engine.decode_attention import ATTENTION
+from shardflow.engine.kv_cache import write_kv
 from shardflow.models.config import ModelConfig
 from shardflow.models.transformer import Transformer, build_model
 from shardflow.parallel.layout import Layout
@@ -111,6 +114,20 @@ def one_layer_model(cfg: ModelConfig, tp: int, device: torch.device, dtype: torc
     return model
 
 
+def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, attention, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One decoder layer of a decode step as the engine runs it (see ``steps.decode_logits``): the
+    new token's key and value go into each request's slot at its position, then it attends over the
+    slot. x [B,1,H]; caches [S, kv heads, M, d]; slots, positions [B]."""
+    lengths = positions + 1
+
+    def attend(_layer: int, q, k, v):
+        write_kv(k_cache, v_cache, slots, positions[:, None], k, v)
+        return attention(q[:, :, 0], k_cache, v_cache, slots, lengths, None)[:, :, None]
+
+    return layer(x, cos, sin, attend)
+
+
 def _positions(batch: int, length: int, device: torch.device, start: int = 0) -> torch.Tensor:
     return torch.arange(start, start + length, device=device).expand(batch, length)  # [B,T]
 
@@ -121,7 +138,8 @@ def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, d
     model = one_layer_model(cfg, tp, device, dtype)
     layer = model.model.layers["0"]
     H = cfg.hidden_size
-    if compile_layers and device.type == "cuda" and tp == 1:  # as the runtime compiles them
+    compiled = compile_layers and device.type == "cuda" and tp == 1  # as the runtime compiles them
+    if compiled:
         model.compile_layers()
     run = model.layer_fn(None)  # training and inference forwards
     attention = ATTENTION["triton" if device.type == "cuda" else "torch"]  # the engine's default
@@ -151,7 +169,12 @@ def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, d
 
     shape = layer_shape(cfg, tp)
     kv_local = shape.kv_dim // cfg.head_dim
-    decode: list[list[float | None]] = []
+    # The engine decodes with fused q/k/v and gate/up copies on GPUs and compiles its whole decode
+    # step at tp=1: so does the layer's share of it here.
+    if device.type == "cuda":
+        model.fuse_projections(True)
+    decode = compiled_or_eager(decode_layer, "the profiled decode layer", dynamic=True) if compiled else decode_layer
+    rows: list[list[float | None]] = []
     for batch in grid.batches:
         row: list[float | None] = []
         for context in grid.contexts:
@@ -160,27 +183,20 @@ def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, d
                 row.append(None)
                 continue
             # the engine's cache layout: [slots, kv heads, positions, head dim], one slot per request
-            cache_k = torch.randn(batch, kv_local, context + 1, cfg.head_dim, device=device, dtype=dtype)
-            cache_v = torch.randn_like(cache_k)
+            k_cache = torch.randn(batch, kv_local, context + 1, cfg.head_dim, device=device, dtype=dtype)
+            v_cache = torch.randn_like(k_cache)
             slots = torch.arange(batch, device=device)
-            lengths = torch.full((batch,), context + 1, device=device)
-
-            def attend(_layer: int, q, k, v, cache_k=cache_k, cache_v=cache_v, context=context, slots=slots,
-                       lengths=lengths):
-                cache_k[:, :, context:context + 1] = k  # write the new token's key/value, then read all
-                cache_v[:, :, context:context + 1] = v
-                return attention(q[:, :, 0], cache_k, cache_v, slots, lengths, None)[:, :, None]
-
-            cos, sin = model.rope(_positions(batch, 1, device, context), dtype)
+            positions = torch.full((batch,), context, device=device)
+            cos, sin = model.rope(positions[:, None], dtype)
             x = torch.randn(batch, 1, H, device=device, dtype=dtype)  # [B,1,H]
             with torch.no_grad():
-                fn = lambda: layer(x, cos, sin, attend)  # noqa: E731
+                fn = lambda: decode(layer, x, cos, sin, k_cache, v_cache, attention, slots, positions)  # noqa: E731
                 if cuda_graphs and device.type == "cuda":
                     fn = graphed(fn)
                 row.append(timed(fn, device, grid.reps))
-            del cache_k, cache_v
-        decode.append(row)
-    filled = _fill(decode, grid, lambda b, c: roofline.decode_layer(shape, cluster or Cluster(), b, c))
+            del k_cache, v_cache
+        rows.append(row)
+    filled = _fill(rows, grid, lambda b, c: roofline.decode_layer(shape, cluster or Cluster(), b, c))
 
     optimizer = measure_optimizer(list(layer.parameters()), device)
     return LayerProfile(forward=Table(grid.tokens, forward, grid.seqlens),
