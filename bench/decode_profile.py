@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from generation import LLAMA_8B, TINY, llama_config, measure_bandwidth, random_model, timed  # noqa: E402
+from iteration import QWEN3_1_7B  # noqa: E402
 
 from shardflow.engine.decode_attention import (  # noqa: E402
     BLOCK_N,
@@ -41,6 +42,19 @@ from shardflow.engine.requests import SamplingParams, make_requests  # noqa: E40
 
 
 ENGINE_KNOBS = (BLOCK_N, PROGRAMS_PER_SM, NUM_WARPS, NUM_STAGES)  # what the engine runs
+
+
+def model_config(name: str):
+    """The model shape: LLaMA-3.1-8B (generation's) or Qwen3-1.7B (the GRPO iteration's)."""
+    if name == "llama-3.1-8b":
+        return llama_config(LLAMA_8B)
+    from transformers import Qwen3Config
+
+    from shardflow.models.config import ModelConfig
+
+    hf = Qwen3Config(**QWEN3_1_7B, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    hf.architectures = ["Qwen3ForCausalLM"]
+    return ModelConfig.from_hf_dict(hf.to_dict())
 
 
 def attention_sweep(device, cfg, cases, dtype) -> list[dict]:
@@ -117,16 +131,19 @@ def main() -> None:
     parser.add_argument("--sweep-cases", default="1x8192,16x1024,64x1024,64x8192,256x1024",
                         help="batch x context cases of the sweep, comma-separated")
     parser.add_argument("--sweep-only", action="store_true", help="only the attention sweep")
+    parser.add_argument("--model", choices=("llama-3.1-8b", "qwen3-1.7b"), default="llama-3.1-8b")
+    parser.add_argument("--profile-cases", default="1x1024,64x1024",
+                        help="batch x context cases of the kernel profile, comma-separated")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda":
         print("decode_profile measures GPU kernels; on CPU it only checks that it runs")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = TINY if args.tiny else LLAMA_8B
-    cfg = llama_config(shape)
+    cfg = llama_config(TINY) if args.tiny else model_config(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "model": "tiny" if args.tiny else args.model}
     if device.type == "cuda":
         result["bandwidth_gb_s"] = measure_bandwidth(device, 4) / 1e9
         cases = [tuple(int(x) for x in case.split("x")) for case in args.sweep_cases.split(",")]
@@ -135,7 +152,8 @@ def main() -> None:
         result["linear"] = [] if args.sweep_only else linear_sweep(device, cfg, dtype)
         model = None if args.sweep_only else random_model(cfg, device, dtype)
         result["profile"] = {}
-        for (b, c), comp in itertools.product(() if args.sweep_only else ((1, 1024), (64, 1024)),
+        profile_cases = [tuple(int(x) for x in case.split("x")) for case in args.profile_cases.split(",")]
+        for (b, c), comp in itertools.product(() if args.sweep_only else profile_cases,
                                               (True, False) if args.eager else (True,)):
             key = f"b{b}_ctx{c}_{'compiled' if comp else 'eager'}"
             try:

@@ -3,7 +3,8 @@
 #   bench/h200.sh OUT a   generation, training log-probabilities (fused kernels), and the GRPO
 #                         training call of part b alone with its kernel profile
 #   bench/h200.sh OUT b   one GRPO iteration against TRL, and where a decode step's time goes
-#   bench/h200.sh OUT c   adaptive TP (one-GPU parts), planner accuracy, the training step
+#   bench/h200.sh OUT c   adaptive TP (one-GPU parts), planner accuracy, the training step, and
+#                         where a decode step of the GRPO iteration's shape goes
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
@@ -41,6 +42,8 @@ case $PART in
     run adaptive 120 adaptive_tp.json,adaptive_trace_simulated.png,decode_steps.json python3 bench/adaptive_tp.py
     run planner_accuracy 150 planner_accuracy.json python3 bench/planner_accuracy.py
     run train_step 100 train_step.json python3 bench/train_step.py --steps 5
+    run decode_profile_grpo 100 decode_profile.json python3 bench/decode_profile.py --model qwen3-1.7b \
+      --profile-cases 256x320
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40

@@ -36,6 +36,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from iteration import QWEN3_1_7B  # noqa: E402
 
 from shardflow.batch import SequenceBatch  # noqa: E402
 from shardflow.engine.micro_batches import split_by_tokens  # noqa: E402
@@ -51,9 +54,6 @@ from shardflow.runtime.launch import launch  # noqa: E402
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
                 tie_word_embeddings=True)
-QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                  tie_word_embeddings=True, rope_theta=1000000.0)
 SHAPES = {"llama-3.2-1b": ("llama", LLAMA_1B), "qwen3-1.7b": ("qwen3", QWEN3_1_7B)}
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, tie_word_embeddings=True)
