@@ -77,6 +77,10 @@ def test_the_host_reads_each_step_while_the_next_one_runs(llama):
     assert r.output_ids == expected[:1] and engine.in_flight == 1
     engine.step()  # step 2 launched, step 1 read
     assert r.output_ids == expected[:2] and engine.in_flight == 1
+    with pytest.raises(RuntimeError, match="decode step in flight"):
+        engine.release_cache()
+    with pytest.raises(RuntimeError, match="decode step in flight"):
+        engine.adopt([])
     engine.flush()
     assert r.output_ids == expected[:3] and engine.in_flight == 0 and r.cached_len == len(prompt) + 2
     engine.step()  # inputs from the host again
