@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from generation import LLAMA_8B, TINY, llama_config, measure_bandwidth, random_model, timed  # noqa: E402
+from generation import LLAMA_8B, TINY, kernel_timed, llama_config, measure_bandwidth, random_model, timed  # noqa: E402
 from iteration import QWEN3_1_7B  # noqa: E402
 
 from shardflow.engine.decode_attention import (  # noqa: E402
@@ -98,12 +98,12 @@ def linear_sweep(device, cfg, dtype) -> list[dict]:
     return rows
 
 
-def kernel_profile(model, device, batch: int, context: int, compile: bool) -> list[dict]:
+def kernel_profile(model, device, batch: int, context: int, compile: bool, temperature: float) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     engine = Engine(model, EngineConfig(max_seq_len=context + 64, max_batch_size=batch, cuda_graphs=False,
                                         compile=compile), eos_token_ids=[])
-    params = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=48, temperature=temperature, seed=0, ignore_eos=True)
     prompts = [[5 + (i % 90)] * context for i in range(batch)]
     engine.submit(make_requests(prompts, params))
     for _ in range(8):  # prefill, then warm decode (and compile)
@@ -119,7 +119,25 @@ def kernel_profile(model, device, batch: int, context: int, compile: bool) -> li
     engine.evict()
     engine.release_cache()
     return [dict(name=e.key[:120], calls=e.count, us_per_step=e.device_time_total / 10, share=e.device_time_total / total)
-            for e in events[:25]]
+            for e in events[:40]]
+
+
+def sampler_times(device, cfg) -> list[dict]:
+    """The sampler alone (compiled, as in the decode step) per batch and mode: us per call."""
+    from shardflow.engine.sampling import GREEDY, SAMPLE, SamplingTensors, sample
+
+    rows = []
+    for batch, mode in itertools.product((1, 64, 256), (GREEDY, SAMPLE)):
+        logits = torch.randn(batch, cfg.vocab_size, dtype=torch.bfloat16, device=device)
+        st = SamplingTensors(temperature=torch.full((batch,), 1.0 if mode == SAMPLE else 0.0, device=device),
+                             top_k=torch.zeros(batch, dtype=torch.long, device=device),
+                             top_p=torch.ones(batch, device=device),
+                             seed=torch.arange(batch, device=device), position=torch.full((batch,), 7, device=device))
+        s = kernel_timed(lambda: sample(logits, st, vocab_start=0, vocab_size=cfg.vocab_size, group=None,
+                                        mode=mode), device)
+        rows.append(dict(batch=batch, mode=mode, us=s * 1e6,
+                         gbps=logits.numel() * logits.element_size() / s / 1e9))
+    return rows
 
 
 def main() -> None:
@@ -134,6 +152,8 @@ def main() -> None:
     parser.add_argument("--model", choices=("llama-3.1-8b", "qwen3-1.7b"), default="llama-3.1-8b")
     parser.add_argument("--profile-cases", default="1x1024,64x1024",
                         help="batch x context cases of the kernel profile, comma-separated")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of the profiled steps (0 = greedy; GRPO samples at 1)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda":
@@ -150,6 +170,7 @@ def main() -> None:
         result["attention"] = attention_sweep(device, cfg, cases, dtype) if args.sweep or args.sweep_only else []
         (out / "decode_profile.json").write_text(json.dumps(result, indent=2))
         result["linear"] = [] if args.sweep_only else linear_sweep(device, cfg, dtype)
+        result["sampler"] = [] if args.sweep_only else sampler_times(device, cfg)
         model = None if args.sweep_only else random_model(cfg, device, dtype)
         result["profile"] = {}
         profile_cases = [tuple(int(x) for x in case.split("x")) for case in args.profile_cases.split(",")]
@@ -157,7 +178,7 @@ def main() -> None:
                                               (True, False) if args.eager else (True,)):
             key = f"b{b}_ctx{c}_{'compiled' if comp else 'eager'}"
             try:
-                result["profile"][key] = kernel_profile(model, device, b, c, comp)
+                result["profile"][key] = kernel_profile(model, device, b, c, comp, args.temperature)
             except Exception as e:  # noqa: BLE001 - keep the other measurements
                 result["profile"][key] = [dict(name=f"failed: {e}"[:300], calls=10, us_per_step=0.0, share=0.0)]
             (out / "decode_profile.json").write_text(json.dumps(result, indent=2))  # kept if cut short
@@ -171,9 +192,11 @@ def main() -> None:
                   f"(block {best['block']} pps {best['pps']} warps {best['warps']} stages {best['stages']})")
         for r in result["linear"]:
             print(f"linear {r['weight']:>14} b{r['batch']:<3} {r['us']:8.1f} us {r['gbps']:6.0f} GB/s")
+        for r in result["sampler"]:
+            print(f"sampler b{r['batch']:<3} {r['mode']:>6} {r['us']:8.1f} us {r['gbps']:6.0f} GB/s of bf16 logits")
         for key, rows in result["profile"].items():
             print(f"-- {key}: top kernels (us per step)")
-            for r in rows[:12]:
+            for r in rows:
                 print(f"   {r['us_per_step']:8.1f} {100 * r['share']:5.1f}% x{r['calls'] // 10:<4} {r['name']}")
 
 
