@@ -238,7 +238,7 @@ def kernel_profile(step) -> dict:
         kind = next((k for k, words in KINDS if any(w in name for w in words)), "other")
         kinds[kind] = kinds.get(kind, 0.0) + e.device_time_total / 1e3
     return {"wall_ms": wall * 1e3, "device_ms_by_kind": kinds,
-            "top": [dict(name=e.key[:120], calls=e.count, ms=e.device_time_total / 1e3) for e in events[:25]]}
+            "top": [dict(name=e.key[:120], calls=e.count, ms=e.device_time_total / 1e3) for e in events[:40]]}
 
 
 def rank_main(world, args, ckpt: str) -> None:
@@ -269,7 +269,7 @@ def rank_main(world, args, ckpt: str) -> None:
             p = r["profile"]
             kinds = ", ".join(f"{k} {v:.0f} ms" for k, v in sorted(p["device_ms_by_kind"].items(), key=lambda kv: -kv[1]))
             print(f"  profiled step: {p['wall_ms']:.0f} ms wall; device time: {kinds}")
-            for k in p["top"][:12]:
+            for k in p["top"]:
                 print(f"    {k['ms']:8.1f} ms x{k['calls']:<5} {k['name']}")
     record = {"device": device, "ranks": world.size, "model": args.model, "batch": args.batch,
               "max_len": args.max_len, "micro_batch_tokens": args.tokens, "steps": args.steps,
