@@ -123,7 +123,7 @@ def kernel_profile(model, device, batch: int, context: int, compile: bool, tempe
 
 
 def sampler_times(device, cfg) -> list[dict]:
-    """The sampler alone (compiled, as in the decode step) per batch and mode: us per call."""
+    """The sampler alone, as the decode step calls it, per batch and mode: us per call."""
     from shardflow.engine.sampling import GREEDY, SAMPLE, SamplingTensors, sample
 
     rows = []

@@ -7,7 +7,9 @@ with a counter-based integer hash in torch, so a token depends only on the seed 
 not on the tp layout, the batch it was decoded in, or whether a CUDA graph replayed it.
 
 Under tp each rank holds a slice of the vocabulary. Without top-k/top-p every rank finds its best
-(score, index) and the tiny candidates are all-gathered (one all-gather of [tp, B, 5] per step);
+(score, index) per chunk of its slice (one chunk in torch; on GPUs a Triton kernel, see
+``sampling_kernel``, reads the logits once for C chunks) and the tiny candidates are all-gathered
+(one all-gather of [tp * C, B, 5] per step);
 with top-k/top-p in the batch the logits are all-gathered (one all-gather of [B, V]) and every rank
 samples the same token from the full vocabulary.
 
@@ -24,7 +26,7 @@ from typing import Sequence
 import torch
 from torch.distributed import ProcessGroup
 
-from shardflow.engine.compile_fallback import compiled_or_eager
+from shardflow.engine.sampling_kernel import sample_candidates_op
 from shardflow.parallel import comm
 
 MASK32 = 0xFFFFFFFF
@@ -77,15 +79,19 @@ def row_keys(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     return _mix32(k ^ (position & MASK32))
 
 
-def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
-    """[B, V] uniforms in (0, 1), a pure function of (seed[b], position[b], vocab_ids[v])."""
+def noise_bits(seed: torch.Tensor, position: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """[B, V] 32-bit hashes (int64 in [0, 2**32)) of (seed[b], position[b], vocab_ids[v])."""
     key = row_keys(seed, position)  # [B]
     # (id + 0x9E3779B9) mod 2**32, written with a constant that fits int32: the compiler folds it
     # into the kernel's int32 index arithmetic, where 0x9E3779B9 itself does not compile.
     v = _mix32((vocab_ids.to(torch.int64) - 0x61C88647) & MASK32)  # [V]
     h = _mix32(key[:, None] ^ v[None, :])
-    h = _mix32(h ^ (key[:, None] >> 7))  # second round: rows with nearby keys decorrelate fully
-    return unit_interval(h)
+    return _mix32(h ^ (key[:, None] >> 7))  # second round: rows with nearby keys decorrelate fully
+
+
+def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """[B, V] uniforms in (0, 1), a pure function of (seed[b], position[b], vocab_ids[v])."""
+    return unit_interval(noise_bits(seed, position, vocab_ids))
 
 
 def unit_interval(h: torch.Tensor) -> torch.Tensor:
@@ -146,19 +152,6 @@ def local_candidates(z: torch.Tensor, st: SamplingTensors, vocab_start: int, mod
                         m.double(), s.double()], dim=-1)
 
 
-_compiled_candidates = []
-
-
-def _candidates_for(device: torch.device):
-    """``local_candidates``, compiled into one fused kernel on GPUs: eager, the noise alone is some
-    forty passes over an int64 [B, V] tensor per step, more than the rest of the decode step."""
-    if device.type != "cuda":
-        return local_candidates
-    if not _compiled_candidates:
-        _compiled_candidates.append(compiled_or_eager(local_candidates, "the sampler", dynamic=True))
-    return _compiled_candidates[0]
-
-
 def pick(candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token [B] and log-probability [B] from the candidates [R, B, 5] of R vocabulary slices
     (in vocabulary order); ties go to the first slice, i.e. the lowest vocabulary index."""
@@ -176,11 +169,16 @@ def sample(logits: torch.Tensor, st: SamplingTensors, *, vocab_start: int, vocab
     """Draw one token per row from this rank's logits [B, V_local] (padding columns at -inf).
 
     Returns (tokens [B] int64, log-probabilities [B] float32), identical on every tp rank.
-    Collectives: GREEDY/SAMPLE one all-gather of [B, 5] candidates; FILTER one of the logits.
+    Collectives: GREEDY/SAMPLE one all-gather of [C, B, 5] candidates (C vocabulary chunks per
+    rank: 1 in torch, the Triton kernel's on GPUs; gathered in rank order, so the chunks stay in
+    vocabulary order); FILTER one of the logits.
     """
+    if mode != FILTER and logits.is_cuda:  # one pass over the raw logits (sampling_kernel)
+        mine = sample_candidates_op(logits, st.temperature, st.seed, st.position, vocab_start, mode == SAMPLE)
+        return pick(comm.all_gather(mine, group, dim=0))
     z = scaled_logits(logits, st.temperature)  # [B, V_local]
     if mode != FILTER:
-        mine = _candidates_for(z.device)(z, st, vocab_start, mode)[None]  # [1, B, 5]
+        mine = local_candidates(z, st, vocab_start, mode)[None]  # [1, B, 5]
         return pick(comm.all_gather(mine, group, dim=0))
     z = comm.all_gather(z, group, dim=-1)[:, :vocab_size]  # [B, V]: the full vocabulary
     lse = torch.logsumexp(z, dim=-1)

@@ -77,7 +77,9 @@ class RooflineStepTime:
 
     def comm(self, tp: int, batch: np.ndarray) -> np.ndarray:
         """Collectives of one decode step: 2 all-reduces per layer and one for the embedding of
-        [batch, hidden], and the sampling all-gather of [batch, 5] float64."""
+        [batch, hidden], and the sampling all-gather of candidates, counted as [batch, 5] float64
+        per rank (the GPU sampler sends a few such rows per chunk of its vocabulary: still far below
+        the collective's latency)."""
         batch = np.asarray(batch, dtype=np.float64)
         if tp == 1:
             return np.zeros_like(batch)
