@@ -98,15 +98,23 @@ def linear_sweep(device, cfg, dtype) -> list[dict]:
     return rows
 
 
-def kernel_profile(model, device, batch: int, context: int, compile: bool, temperature: float) -> list[dict]:
+def kernel_profile(model, device, batch: int, context: int, compile: bool, temperature: float,
+                   samples: int = 1, prompt: int | None = None) -> list[dict]:
+    """Top kernels of 10 decode steps at ``batch`` rows and ``context`` positions: ``batch /
+    samples`` prompts of ``prompt`` tokens (default ``context``) with ``samples`` samples each
+    (sharing the prompt's KV, as GRPO groups do), decoded up to ``context`` before profiling."""
     from torch.profiler import ProfilerActivity, profile
 
+    prompt = prompt or context
+    if batch % samples or not 0 < prompt <= context:
+        raise ValueError(f"batch {batch} must be a multiple of samples {samples}, prompt {prompt} in [1, {context}]")
+    warm = 8 + context - prompt  # prefill, then decode (and compile) up to the context
     engine = Engine(model, EngineConfig(max_seq_len=context + 64, max_batch_size=batch, cuda_graphs=False,
                                         compile=compile), eos_token_ids=[])
-    params = SamplingParams(max_new_tokens=48, temperature=temperature, seed=0, ignore_eos=True)
-    prompts = [[5 + (i % 90)] * context for i in range(batch)]
-    engine.submit(make_requests(prompts, params))
-    for _ in range(8):  # prefill, then warm decode (and compile)
+    params = SamplingParams(max_new_tokens=warm + 20, temperature=temperature, seed=0, ignore_eos=True)
+    prompts = [[5 + (i % 90)] * prompt for i in range(batch // samples)]
+    engine.submit(make_requests(prompts, params, samples_per_prompt=samples))
+    for _ in range(warm):
         engine.step()
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -123,9 +131,13 @@ def kernel_profile(model, device, batch: int, context: int, compile: bool, tempe
 
 
 def sampler_times(device, cfg) -> list[dict]:
-    """The sampler alone, as the decode step calls it, per batch and mode: us per call."""
-    from shardflow.engine.sampling import GREEDY, SAMPLE, SamplingTensors, sample
+    """The sampler alone per batch and mode, us per call: as the decode step calls it (on GPUs the
+    one-pass Triton kernel) and the torch candidates compiled by inductor (what the step ran
+    before the kernel), with whether the two pick the same tokens and how far their
+    log-probabilities are apart."""
+    from shardflow.engine.sampling import GREEDY, SAMPLE, SamplingTensors, local_candidates, pick, sample, scaled_logits
 
+    compiled = torch.compile(local_candidates, dynamic=True) if device.type == "cuda" else local_candidates
     rows = []
     for batch, mode in itertools.product((1, 64, 256), (GREEDY, SAMPLE)):
         logits = torch.randn(batch, cfg.vocab_size, dtype=torch.bfloat16, device=device)
@@ -133,10 +145,14 @@ def sampler_times(device, cfg) -> list[dict]:
                              top_k=torch.zeros(batch, dtype=torch.long, device=device),
                              top_p=torch.ones(batch, device=device),
                              seed=torch.arange(batch, device=device), position=torch.full((batch,), 7, device=device))
-        s = kernel_timed(lambda: sample(logits, st, vocab_start=0, vocab_size=cfg.vocab_size, group=None,
-                                        mode=mode), device)
-        rows.append(dict(batch=batch, mode=mode, us=s * 1e6,
-                         gbps=logits.numel() * logits.element_size() / s / 1e9))
+        ours = lambda: sample(logits, st, vocab_start=0, vocab_size=cfg.vocab_size, group=None, mode=mode)  # noqa: E731
+        torch_ops = lambda: pick(compiled(scaled_logits(logits, st.temperature), st, 0, mode)[None])  # noqa: E731
+        (t_ours, lp_ours), (t_torch, lp_torch) = ours(), torch_ops()
+        s, s_torch = kernel_timed(ours, device), kernel_timed(torch_ops, device)
+        rows.append(dict(batch=batch, mode=mode, us=s * 1e6, torch_us=s_torch * 1e6,
+                         gbps=logits.numel() * logits.element_size() / s / 1e9,
+                         same_tokens=bool(torch.equal(t_ours, t_torch)),
+                         max_logprob_diff=float((lp_ours - lp_torch).abs().max())))
     return rows
 
 
@@ -152,6 +168,10 @@ def main() -> None:
     parser.add_argument("--model", choices=("llama-3.1-8b", "qwen3-1.7b"), default="llama-3.1-8b")
     parser.add_argument("--profile-cases", default="1x1024,64x1024",
                         help="batch x context cases of the kernel profile, comma-separated")
+    parser.add_argument("--samples-per-prompt", type=int, default=1,
+                        help="rows per prompt in the kernel profile (GRPO groups share their prompt's KV)")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="prompt length of the kernel profile (default: the context; decoded up to it)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature of the profiled steps (0 = greedy; GRPO samples at 1)")
     args = parser.parse_args()
@@ -178,7 +198,8 @@ def main() -> None:
                                               (True, False) if args.eager else (True,)):
             key = f"b{b}_ctx{c}_{'compiled' if comp else 'eager'}"
             try:
-                result["profile"][key] = kernel_profile(model, device, b, c, comp, args.temperature)
+                result["profile"][key] = kernel_profile(model, device, b, c, comp, args.temperature,
+                                                            args.samples_per_prompt, args.prompt_tokens)
             except Exception as e:  # noqa: BLE001 - keep the other measurements
                 result["profile"][key] = [dict(name=f"failed: {e}"[:300], calls=10, us_per_step=0.0, share=0.0)]
             (out / "decode_profile.json").write_text(json.dumps(result, indent=2))  # kept if cut short
@@ -193,7 +214,9 @@ def main() -> None:
         for r in result["linear"]:
             print(f"linear {r['weight']:>14} b{r['batch']:<3} {r['us']:8.1f} us {r['gbps']:6.0f} GB/s")
         for r in result["sampler"]:
-            print(f"sampler b{r['batch']:<3} {r['mode']:>6} {r['us']:8.1f} us {r['gbps']:6.0f} GB/s of bf16 logits")
+            print(f"sampler b{r['batch']:<3} {r['mode']:>6} {r['us']:8.1f} us ({r['gbps']:5.0f} GB/s of bf16 logits), "
+                  f"torch ops compiled {r['torch_us']:8.1f} us; same tokens {r['same_tokens']}, "
+                  f"log-probs within {r['max_logprob_diff']:.1e}")
         for key, rows in result["profile"].items():
             print(f"-- {key}: top kernels (us per step)")
             for r in rows:

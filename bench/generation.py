@@ -10,7 +10,10 @@ In one run, on one device:
    device, greedy: float32 tokens must be identical; in bfloat16 every fast-path token must be the
    plain path's argmax up to bf16 rounding (a top-2 margin below BF16_TIE counts as a tie);
 3. the Triton decode attention alone (20 calls per CUDA graph replay, so that launch overhead
-   does not count): achieved GB/s reading the KV cache;
+   does not count): achieved GB/s reading the KV cache; then a GRPO decode batch (256 rows = 32
+   prompts x 8 samples of a 64-token prompt, 320 positions, the Qwen3-1.7B attention shape) with
+   each row reading its own prefix copy (plain kernel; sharing kernel, nothing shared), and with
+   each group reading it from its first row's slot (effective GB/s: unshared bytes / time);
 4. the engine on random weights of the model shape, forced output length (EOS ignored), for each
    batch size x context: ms per decode step, achieved GB/s, and the roofline
    (weight bytes + KV bytes read per step) / measured bandwidth;
@@ -46,6 +49,9 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096)
+# decode attention of GRPO groups: Qwen3-1.7B heads, rows = prompts x samples sharing a prompt prefix
+GRPO = dict(heads=16, kv_heads=8, head_dim=128, batch=256, group=8, prefix=64, context=320)
+TINY_GRPO = dict(heads=4, kv_heads=2, head_dim=16, batch=16, group=4, prefix=16, context=40)
 BF16_TIE = 0.15  # logits of the tiny model are O(1-10); bf16 keeps ~3 significant digits
 
 
@@ -146,8 +152,35 @@ def parity_check(device: torch.device, compile_: bool, compile_mode: str = "defa
                 ok = same == total if dtype == torch.float32 else worst <= BF16_TIE
                 key = f"{str(dtype).removeprefix('torch.')} {'greedy' if temperature == 0 else 'sampled'}"
                 results[key] = dict(identical_tokens=same, tokens=total, worst_argmax_margin=worst, ok=ok)
+            if dtype == torch.float32:
+                results["float32 sampled, shrinking batch"] = shrinking_parity(model, plain, fast)
             del model
     return results
+
+
+def shrinking_parity(model, plain: dict, fast: dict) -> dict:
+    """The path RL runs take and forced lengths never do: groups of samples sharing their prompt's
+    prefill (and, on the fast path, its KV in decode), rows leaving at different steps (length
+    limits and a stop token), more requests than the batch holds (admissions mid-run, freed slots
+    reused), so that the fast path changes batch buckets, compacts rows and captures graphs
+    mid-run. float32 tokens, log-probabilities and finish reasons must equal the plain path's."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 25, 5)]
+    params = [SamplingParams(max_new_tokens=n, temperature=1.0, seed=11, stop_token_ids=(7,))
+              for n in (48, 7, 30, 13, 21, 40)]
+    runs = {}
+    for name, options in (("plain", plain), ("fast", fast)):
+        engine = Engine(model, EngineConfig(max_seq_len=128, max_batch_size=8, **options))
+        runs[name] = [(r.output_ids, r.finish_reason, r.output_logprobs)
+                      for r in engine.generate(make_requests(prompts, params, samples_per_prompt=3))]
+        del engine
+    same = sum(a == b for (x, _, _), (y, _, _) in zip(runs["plain"], runs["fast"]) for a, b in zip(x, y))
+    total = sum(len(x) for x, _, _ in runs["plain"])
+    lengths_match = all(len(x) == len(y) and fx == fy for (x, fx, _), (y, fy, _) in zip(runs["plain"], runs["fast"]))
+    logprob_diff = max((abs(a - b) for (_, _, x), (_, _, y) in zip(runs["plain"], runs["fast"]) for a, b in zip(x, y)),
+                       default=0.0)
+    return dict(identical_tokens=same, tokens=total, worst_argmax_margin=0.0, finish_reasons_match=lengths_match,
+                max_logprob_diff=logprob_diff, ok=same == total and lengths_match and logprob_diff < 1e-4)
 
 
 @torch.no_grad()
@@ -191,6 +224,32 @@ def bench_attention(cfg: ModelConfig, device: torch.device, cases: list[tuple[in
         rows.append(dict(batch=batch, context=context, us=seconds * 1e6, gb_per_s=nbytes / seconds / 1e9,
                          fraction_of_bandwidth=nbytes / seconds / bandwidth))
         del k, v
+    return rows
+
+
+def bench_shared_prefix(device: torch.device, case: dict, bandwidth: float) -> list:
+    """Every group of ``group`` rows holds copies of one ``prefix``-position prompt; the rows read
+    them from their own slots, pass the shared columns with nothing shared (the cost of the
+    select), or read the prefix from the group's first slot. GB/s: bytes of the unshared read / time."""
+    attention = ATTENTION["triton" if device.type == "cuda" else "torch"]
+    batch, kv_heads, d, prefix = case["batch"], case["kv_heads"], case["head_dim"], case["prefix"]
+    k = torch.randn(batch + 1, kv_heads, case["context"], d, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    slots = torch.arange(batch, device=device)
+    leaders = slots // case["group"] * case["group"]
+    k[slots, :, :prefix], v[slots, :, :prefix] = k[leaders, :, :prefix], v[leaders, :, :prefix]  # the prefix copy
+    q = torch.randn(batch, case["heads"], d, device=device, dtype=torch.bfloat16)
+    lengths = torch.full((batch,), case["context"], device=device)
+    shared_lens = torch.where(slots == leaders, 0, prefix)
+    nbytes = 2 * batch * kv_heads * case["context"] * d * k.element_size()
+    variants = {"own copies": (), "nothing shared": (slots, torch.zeros_like(slots)),
+                "shared prefix": (leaders, shared_lens)}
+    rows, want = [], attention(q, k, v, slots, lengths, None)
+    for name, shared in variants.items():
+        seconds = kernel_timed(lambda: attention(q, k, v, slots, lengths, None, *shared), device)
+        rows.append(dict(case=name, **case, us=seconds * 1e6, gb_per_s=nbytes / seconds / 1e9,
+                         fraction_of_bandwidth=nbytes / seconds / bandwidth,
+                         identical=bool(torch.equal(attention(q, k, v, slots, lengths, None, *shared), want))))
     return rows
 
 
@@ -317,6 +376,13 @@ def main() -> None:
     for row in report["attention"]:
         print(f"decode attention batch {row['batch']:>3} context {row['context']:>5}: {row['us']:8.1f} us "
               f"{row['gb_per_s']:7.1f} GB/s ({row['fraction_of_bandwidth']:.0%} of copy bandwidth)")
+    grpo = TINY_GRPO if tiny else GRPO
+    print(f"decode attention of GRPO groups: batch {grpo['batch']} in groups of {grpo['group']} sharing "
+          f"{grpo['prefix']} positions of {grpo['context']}")
+    report["shared_prefix"] = bench_shared_prefix(device, grpo, bandwidth)
+    for row in report["shared_prefix"]:
+        print(f"  {row['case']:>14}: {row['us']:8.1f} us {row['gb_per_s']:7.1f} GB/s effective "
+              f"({row['fraction_of_bandwidth']:.0%} of copy bandwidth), output identical: {row['identical']}")
     save()
 
     print(f"[{time.perf_counter() - t0:.0f}s] engine on random weights (compile={compile_})")
