@@ -10,10 +10,7 @@ In one run, on one device:
    device, greedy: float32 tokens must be identical; in bfloat16 every fast-path token must be the
    plain path's argmax up to bf16 rounding (a top-2 margin below BF16_TIE counts as a tie);
 3. the Triton decode attention alone (20 calls per CUDA graph replay, so that launch overhead
-   does not count): achieved GB/s reading the KV cache; then a GRPO decode batch (256 rows = 32
-   prompts x 8 samples of a 64-token prompt, 320 positions, the Qwen3-1.7B attention shape) with
-   each row reading its own prefix copy (plain kernel; sharing kernel, nothing shared), and with
-   each group reading it from its first row's slot (effective GB/s: unshared bytes / time);
+   does not count): achieved GB/s reading the KV cache;
 4. the engine on random weights of the model shape, forced output length (EOS ignored), for each
    batch size x context: ms per decode step, achieved GB/s, and the roofline
    (weight bytes + KV bytes read per step) / measured bandwidth;
@@ -49,9 +46,6 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096)
-# decode attention of GRPO groups: Qwen3-1.7B heads, rows = prompts x samples sharing a prompt prefix
-GRPO = dict(heads=16, kv_heads=8, head_dim=128, batch=256, group=8, prefix=64, context=320)
-TINY_GRPO = dict(heads=4, kv_heads=2, head_dim=16, batch=16, group=4, prefix=16, context=40)
 BF16_TIE = 0.15  # logits of the tiny model are O(1-10); bf16 keeps ~3 significant digits
 
 
@@ -160,7 +154,7 @@ def parity_check(device: torch.device, compile_: bool, compile_mode: str = "defa
 
 def shrinking_parity(model, plain: dict, fast: dict) -> dict:
     """The path RL runs take and forced lengths never do: groups of samples sharing their prompt's
-    prefill (and, on the fast path, its KV in decode), rows leaving at different steps (length
+    prefill, rows leaving at different steps (length
     limits and a stop token), more requests than the batch holds (admissions mid-run, freed slots
     reused), so that the fast path changes batch buckets, compacts rows and captures graphs
     mid-run. float32 tokens, log-probabilities and finish reasons must equal the plain path's."""
@@ -224,32 +218,6 @@ def bench_attention(cfg: ModelConfig, device: torch.device, cases: list[tuple[in
         rows.append(dict(batch=batch, context=context, us=seconds * 1e6, gb_per_s=nbytes / seconds / 1e9,
                          fraction_of_bandwidth=nbytes / seconds / bandwidth))
         del k, v
-    return rows
-
-
-def bench_shared_prefix(device: torch.device, case: dict, bandwidth: float) -> list:
-    """Every group of ``group`` rows holds copies of one ``prefix``-position prompt; the rows read
-    them from their own slots, pass the shared columns with nothing shared (the cost of the
-    select), or read the prefix from the group's first slot. GB/s: bytes of the unshared read / time."""
-    attention = ATTENTION["triton" if device.type == "cuda" else "torch"]
-    batch, kv_heads, d, prefix = case["batch"], case["kv_heads"], case["head_dim"], case["prefix"]
-    k = torch.randn(batch + 1, kv_heads, case["context"], d, device=device, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    slots = torch.arange(batch, device=device)
-    leaders = slots // case["group"] * case["group"]
-    k[slots, :, :prefix], v[slots, :, :prefix] = k[leaders, :, :prefix], v[leaders, :, :prefix]  # the prefix copy
-    q = torch.randn(batch, case["heads"], d, device=device, dtype=torch.bfloat16)
-    lengths = torch.full((batch,), case["context"], device=device)
-    shared_lens = torch.where(slots == leaders, 0, prefix)
-    nbytes = 2 * batch * kv_heads * case["context"] * d * k.element_size()
-    variants = {"own copies": (), "nothing shared": (slots, torch.zeros_like(slots)),
-                "shared prefix": (leaders, shared_lens)}
-    rows, want = [], attention(q, k, v, slots, lengths, None)
-    for name, shared in variants.items():
-        seconds = kernel_timed(lambda: attention(q, k, v, slots, lengths, None, *shared), device)
-        rows.append(dict(case=name, **case, us=seconds * 1e6, gb_per_s=nbytes / seconds / 1e9,
-                         fraction_of_bandwidth=nbytes / seconds / bandwidth,
-                         identical=bool(torch.equal(attention(q, k, v, slots, lengths, None, *shared), want))))
     return rows
 
 
@@ -323,6 +291,7 @@ def main() -> None:
     parser.add_argument("--coordinate-descent", action="store_true",
                         help="let inductor tune each generated kernel's launch settings (slower compilation)")
     parser.add_argument("--skip-transformers", action="store_true", help="do not measure transformers generate")
+    parser.add_argument("--skip-parity", action="store_true", help="do not check the fast path against the plain one")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -355,15 +324,17 @@ def main() -> None:
     bandwidth = report["bandwidth_gb_per_s"] * 1e9
     print(f"device {report['device']}: copy bandwidth {report['bandwidth_gb_per_s']:.0f} GB/s")
 
-    try:
-        report["parity"] = parity_check(device, compile_, args.compile_mode)
-    except Exception as e:  # noqa: BLE001 - a failed compilation is reported, then measured without
-        if not compile_:
-            raise
-        report["compile_error"] = f"{type(e).__name__}: {e}"
-        print(f"torch.compile failed, measuring without it: {report['compile_error'][:500]}")
-        compile_ = report["compile"] = False
-        report["parity"] = parity_check(device, compile_)
+    report["parity"] = {}
+    if not args.skip_parity:
+        try:
+            report["parity"] = parity_check(device, compile_, args.compile_mode)
+        except Exception as e:  # noqa: BLE001 - a failed compilation is reported, then measured without
+            if not compile_:
+                raise
+            report["compile_error"] = f"{type(e).__name__}: {e}"
+            print(f"torch.compile failed, measuring without it: {report['compile_error'][:500]}")
+            compile_ = report["compile"] = False
+            report["parity"] = parity_check(device, compile_)
     for name, p in report["parity"].items():
         print(f"parity {name}: {p['identical_tokens']}/{p['tokens']} tokens identical to the plain path, "
               f"worst argmax margin {p['worst_argmax_margin']:.3g} -> {'ok' if p['ok'] else 'FAILED'}")
@@ -376,13 +347,6 @@ def main() -> None:
     for row in report["attention"]:
         print(f"decode attention batch {row['batch']:>3} context {row['context']:>5}: {row['us']:8.1f} us "
               f"{row['gb_per_s']:7.1f} GB/s ({row['fraction_of_bandwidth']:.0%} of copy bandwidth)")
-    grpo = TINY_GRPO if tiny else GRPO
-    print(f"decode attention of GRPO groups: batch {grpo['batch']} in groups of {grpo['group']} sharing "
-          f"{grpo['prefix']} positions of {grpo['context']}")
-    report["shared_prefix"] = bench_shared_prefix(device, grpo, bandwidth)
-    for row in report["shared_prefix"]:
-        print(f"  {row['case']:>14}: {row['us']:8.1f} us {row['gb_per_s']:7.1f} GB/s effective "
-              f"({row['fraction_of_bandwidth']:.0%} of copy bandwidth), output identical: {row['identical']}")
     save()
 
     print(f"[{time.perf_counter() - t0:.0f}s] engine on random weights (compile={compile_})")

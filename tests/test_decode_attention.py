@@ -45,41 +45,6 @@ def check_kernel() -> None:
         torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"{H} {K} {d} {dtype} {window} {rows}")
 
 
-def check_shared_prefix(attention) -> None:
-    """Rows reading their prefix from another row's slot. Rows 0-2 share the first 37 positions
-    of row 0's slot (row 2 all of its length), rows 4-5 the first 65 of row 4's (across a block
-    edge); row 3 shares nothing. 6 rows of one KV head give 2 splits per row, the second of row 5
-    starting inside its prefix."""
-    g = torch.Generator().manual_seed(2)
-    slots, lengths = torch.tensor([3, 5, 0, 6, 1, 7]), torch.tensor([40, 90, 37, 70, 66, 99])
-    shared_slots, shared_lens = torch.tensor([3, 3, 3, 6, 1, 1]), torch.tensor([0, 37, 37, 0, 0, 65])
-    followers = [(5, 3, 37), (0, 3, 37), (7, 1, 65)]  # (slot, leader's slot, prefix length)
-    kc, vc = torch.randn(8, 1, 100, 16, generator=g), torch.randn(8, 1, 100, 16, generator=g)
-    for slot, leader, n in followers:  # what the engine's prefix copy does
-        kc[slot, :, :n], vc[slot, :, :n] = kc[leader, :, :n], vc[leader, :, :n]
-    q = torch.randn(6, 2, 16, generator=g)
-    for window in (None, 50):
-        plain = attention(q, kc, vc, slots, lengths, window)
-        shared = attention(q, kc, vc, slots, lengths, window, shared_slots, shared_lens)
-        # the same numbers in the same order: exactly the unshared result
-        torch.testing.assert_close(shared, plain, atol=0, rtol=0)
-
-        k_bad, v_bad = kc.clone(), vc.clone()  # the followers' own prefixes are never read...
-        for slot, _, n in followers:
-            k_bad[slot, :, :n], v_bad[slot, :, :n] = 1e4, -1e4
-        torch.testing.assert_close(attention(q, k_bad, v_bad, slots, lengths, window, shared_slots, shared_lens),
-                                   plain, atol=0, rtol=0)
-
-        k_bad, v_bad = kc.clone(), vc.clone()  # ...the leaders' are
-        for leader, n in ((3, 37), (1, 65)):
-            k_bad[leader, :, :n] = torch.randn(1, n, 16, generator=g)
-        got = attention(q, k_bad, v_bad, slots, lengths, window, shared_slots, shared_lens)
-        start = lengths - (window or 100)
-        for b in range(6):
-            reads_prefix = shared_lens[b] > 0 and start[b] < shared_lens[b]  # the window covers some of it
-            assert (got[b] == plain[b]).all().item() != (reads_prefix or b in (0, 4)), (window, b)
-
-
 def check_engine(path: str) -> None:
     """Greedy and sampled generation with the Triton kernel equal the torch path's."""
     from gen_helpers import local_model, prompts
@@ -91,7 +56,7 @@ def check_engine(path: str) -> None:
     for attention in ("torch", "triton"):
         engine = Engine(model, EngineConfig(max_seq_len=48, attention=attention), eos_token_ids=())
         requests = make_requests(prompts()[2:], [SamplingParams(max_new_tokens=3, temperature=t, seed=1)
-                                                 for t in (0.0, 1.0)], samples_per_prompt=2)  # shared prefixes
+                                                 for t in (0.0, 1.0)])
         engine.generate(requests)
         outputs[attention] = requests
     for a, b in zip(outputs["torch"], outputs["triton"]):
@@ -106,19 +71,6 @@ def test_triton_kernel_matches_torch_in_the_interpreter(checkpoints):
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-4000:]
-
-
-def test_shared_prefix_of_the_triton_kernel_in_the_interpreter():
-    code = ("import test_decode_attention as t; from shardflow.engine.decode_attention import decode_attention_triton; "
-            "t.check_shared_prefix(decode_attention_triton); print('checked')")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-4000:]
-
-
-def test_shared_prefix_of_the_torch_path():
-    check_shared_prefix(decode_attention_torch)
 
 
 def test_torch_path_masks_past_the_length_and_outside_the_window():

@@ -18,9 +18,8 @@ def fake_step(calls):
     return step
 
 
-def host_rows(tokens, positions, slots, shared_slots=None, shared_lens=None):
-    n = len(tokens)
-    ints = torch.tensor([tokens, positions, slots, [0] * n, [7] * n, shared_slots or slots, shared_lens or [0] * n])
+def host_rows(tokens, positions, slots):
+    ints = torch.tensor([tokens, positions, slots, [0] * len(tokens), [7] * len(tokens)])
     floats = torch.tensor([[1.0] * len(tokens), [0.5] * len(tokens)])
     return ints, floats
 
@@ -33,29 +32,24 @@ def test_rows_advance_in_place_padding_stays_on_the_scratch_slot_and_compaction_
     calls = []
     runner = DecodeRunner(fake_step(calls), max_batch=8, scratch_slot=SCRATCH, device=torch.device("cpu"),
                           graphs=False, pad=True)
-    # rows 1-2 share row 0's prefix of 3 positions, row 4 row 3's of 2
-    runner.load(*host_rows([1, 2, 3, 4, 5], [4, 5, 6, 7, 8], [0, 1, 2, 3, 4], [0, 0, 0, 3, 3], [0, 3, 3, 0, 2]))
+    runner.load(*host_rows([1, 2, 3, 4, 5], [4, 5, 6, 7, 8], [0, 1, 2, 3, 4]))
     tokens, logprobs = runner.run("sample")
     assert tokens.tolist() == [15, 26, 37, 48, 59] and logprobs.tolist() == [0, 1, 2, 3, 4]
     ints, floats, mode = calls[-1]
-    assert ints.shape == (7, 8) and mode == "sample"  # padded to the bucket of 8
+    assert ints.shape == (5, 8) and mode == "sample"  # padded to the bucket of 8
     assert ints[2, 5:].tolist() == [SCRATCH] * 3 and ints[1, 5:].tolist() == [0] * 3  # the dummy rows
-    assert ints[5, 5:].tolist() == [SCRATCH] * 3 and ints[6, 5:].tolist() == [0] * 3  # share nothing
     assert floats[0, 5:].tolist() == [0.0] * 3  # greedy
 
     tokens, _ = runner.run("sample")  # the step's own next inputs: its tokens at the next positions
     assert tokens.tolist() == [10 * t + p + 1 for t, p in zip([15, 26, 37, 48, 59], [5, 6, 7, 8, 9])]
     ints, _, _ = calls[-1]
     assert ints[1, :5].tolist() == [5, 6, 7, 8, 9] and ints[1, 5:].tolist() == [0] * 3
-    assert ints[5:, :5].tolist() == [[0, 0, 0, 3, 3], [0, 3, 3, 0, 2]]  # the shared columns stay
 
     previous = tokens.tolist()
-    # rows 1 and 3 leave: bucket of 4, one padding row; row 4 led by row 3 before now leads itself
-    runner.keep([0, 2, 4], torch.tensor([[0, 0, 4], [0, 3, 0]]))
+    runner.keep([0, 2, 4])  # rows 1 and 3 leave: bucket of 4, one padding row
     tokens, logprobs = runner.run("greedy")
     ints, floats, mode = calls[-1]
-    assert ints.shape == (7, 4) and mode == "greedy" and runner.batch == 3
-    assert ints[5:].tolist() == [[0, 0, 4, SCRATCH], [0, 3, 0, 0]]
+    assert ints.shape == (5, 4) and mode == "greedy" and runner.batch == 3
     assert ints[0, :3].tolist() == [previous[0], previous[2], previous[4]]
     assert ints[1, :3].tolist() == [6, 8, 10] and ints[2].tolist() == [0, 2, 4, SCRATCH]
     assert ints[1, 3] == 0 and floats[:, :3].tolist() == [[1.0] * 3, [0.5] * 3]
@@ -68,6 +62,6 @@ def test_without_padding_a_step_computes_only_its_rows():
                           graphs=False)
     runner.load(*host_rows([1, 2, 3], [0, 0, 0], [0, 1, 2]))
     runner.run("greedy")
-    runner.keep([2], torch.tensor([[2], [0]]))
+    runner.keep([2])
     tokens, _ = runner.run("greedy")
-    assert calls[-1][0].shape == (7, 1) and tokens.tolist() == [10 * 31 + 1 + 1]
+    assert calls[-1][0].shape == (5, 1) and tokens.tolist() == [10 * 31 + 1 + 1]

@@ -1,21 +1,18 @@
 """Decode steps run from persistent device buffers, optionally replayed as CUDA graphs.
 
-A decode step reads its inputs from fixed device buffers: ``ints`` [7, N] (tokens, positions,
-slots, top_k, seeds, shared slots, shared lengths: see ``decode_attention``) and ``floats`` [2, N]
-(temperatures, top_p), of which the first rows hold the batch. After sampling, the step itself
-writes the next step's inputs of the same rows into the buffers (each row's sampled token, at the
-next position), so that a batch whose rows do not change decodes step after step with no host
-work in between: the engine launches the next step before it reads the previous one's tokens
-back. When rows leave the batch, ``keep`` compacts the buffers on the device and takes new shared
-columns (a row may have shared the slot of one that left); when rows join, the engine ``load``s
-them from the host.
+A decode step reads its inputs from fixed device buffers: ``ints`` [5, N] (tokens, positions,
+slots, top_k, seeds) and ``floats`` [2, N] (temperatures, top_p), of which the first rows hold
+the batch. After sampling, the step itself writes the next step's inputs of the same rows into
+the buffers (each row's sampled token, at the next position), so that a batch whose rows do not
+change decodes step after step with no host work in between: the engine launches the next step
+before it reads the previous one's tokens back. When rows leave the batch, ``keep`` compacts the
+buffers on the device; when rows join, the engine ``load``s them from the host.
 
 With graphs, a batch of B requests runs the graph of the smallest bucket >= B, its extra rows
-filled with a dummy request that lives in the KV cache's scratch slot (position 0, greedy, no
-shared prefix; the in-place advance leaves it there), so padding never touches a real request's
-cache. Graphs are captured per (bucket, sampling mode) on first use, in the order batches arrive;
-every tp rank sees the same batch sizes in the same order, so the collectives inside the graphs
-match across ranks.
+filled with a dummy request that lives in the KV cache's scratch slot (position 0, greedy; the
+in-place advance leaves it there), so padding never touches a real request's cache. Graphs are
+captured per (bucket, sampling mode) on first use, in the order batches arrive; every tp rank sees
+the same batch sizes in the same order, so the collectives inside the graphs match across ranks.
 """
 
 from __future__ import annotations
@@ -24,10 +21,10 @@ from typing import Callable, Sequence
 
 import torch
 
-# step(ints [7,B], floats [2,B], mode) -> (tokens [B], logprobs [B]), all on the device
+# step(ints [5,B], floats [2,B], mode) -> (tokens [B], logprobs [B]), all on the device
 StepFn = Callable[[torch.Tensor, torch.Tensor, str], tuple[torch.Tensor, torch.Tensor]]
-INT_ROWS, FLOAT_ROWS = 7, 2
-TOKENS, POSITIONS, SLOTS, SHARED = 0, 1, 2, slice(5, 7)  # rows of ``ints``
+INT_ROWS, FLOAT_ROWS = 5, 2
+TOKENS, POSITIONS, SLOTS = 0, 1, 2  # rows of ``ints``
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -40,9 +37,9 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 def dummy_rows(scratch_slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` padding rows: token 0 at position 0 of the scratch slot, greedy, no shared prefix."""
+    """``n`` padding rows: token 0 at position 0 of the scratch slot, greedy."""
     ints = torch.zeros(INT_ROWS, n, dtype=torch.int64)
-    ints[SLOTS] = ints[SHARED.start] = scratch_slot
+    ints[SLOTS] = scratch_slot
     floats = torch.zeros(FLOAT_ROWS, n, dtype=torch.float32)
     floats[1] = 1.0
     return ints, floats
@@ -78,23 +75,20 @@ class DecodeRunner:
         return next(n for n in self.buckets if n >= batch) if self.pad else batch
 
     def load(self, ints: torch.Tensor, floats: torch.Tensor) -> None:
-        """Rows from the host: ints [7,B], floats [2,B]."""
+        """Rows from the host: ints [5,B], floats [2,B]."""
         batch = ints.shape[1]
         self.ints[:, :batch].copy_(ints)
         self.floats[:, :batch].copy_(floats)
         self._set_batch(batch)
 
-    def keep(self, rows: Sequence[int], shared: torch.Tensor) -> None:
-        """Keep only these rows (indices into the current batch, in order), on the device, with
-        their new shared-prefix columns ``shared`` [2, len(rows)] (host)."""
-        host = torch.cat([torch.tensor([list(rows)], dtype=torch.int64), shared])  # [3, rows]: one copy
+    def keep(self, rows: Sequence[int]) -> None:
+        """Keep only these rows (indices into the current batch, in order), on the device."""
+        index = torch.tensor(list(rows), dtype=torch.int64)
         if self.device.type == "cuda":
-            host = host.pin_memory().to(self.device, non_blocking=True)
-        index, n = host[0], len(rows)
-        self.ints[:, :n] = self.ints[:, :self.batch].index_select(1, index)
-        self.ints[SHARED, :n] = host[1:]
-        self.floats[:, :n] = self.floats[:, :self.batch].index_select(1, index)
-        self._set_batch(n)
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        self.ints[:, :len(rows)] = self.ints[:, :self.batch].index_select(1, index)
+        self.floats[:, :len(rows)] = self.floats[:, :self.batch].index_select(1, index)
+        self._set_batch(len(rows))
 
     def _set_batch(self, batch: int) -> None:
         n = self.bucket(batch)  # padding rows up to the bucket: the dummy request

@@ -12,12 +12,6 @@ Two implementations with the same contract:
   a batch size stays valid while lengths grow; each split's range is computed in the kernel from
   the request's current length. Tested on CPU with ``TRITON_INTERPRET=1``.
 
-Shared prefixes: the samples of one prompt hold identical copies of its KV. With ``shared_slots``
-and ``shared_lens`` [B], row b reads positions [0, shared_lens[b]) from slot ``shared_slots[b]``
-(another row's, in the same batch) and the rest from its own slot, so that a group's rows,
-adjacent in the batch and run at the same time, read the prefix once from HBM and then from L2.
-Splits stay computed from the length alone; shared_lens 0 (or none given) is plain attention.
-
 Shapes: B requests, H local query heads, K local KV heads, S cache slots, M max length, d head dim.
 """
 
@@ -41,19 +35,13 @@ MAX_SPLITS = 32
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                           lengths: torch.Tensor, window: int | None, shared_slots: torch.Tensor | None = None,
-                           shared_lens: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B,H,d]; caches [S,K,M,d]; slots, lengths, shared_slots, shared_lens [B] -> [B,H,d].
+                           lengths: torch.Tensor, window: int | None) -> torch.Tensor:
+    """q [B,H,d]; caches [S,K,M,d]; slots, lengths [B] -> [B,H,d].
 
-    Row b attends to positions [max(0, lengths[b] - window), lengths[b]), read from slot
-    ``shared_slots[b]`` below ``shared_lens[b]`` and from slot ``slots[b]`` from there on.
+    Row b attends to positions [max(0, lengths[b] - window), lengths[b]) of slot ``slots[b]``.
     """
     k, v = k_cache[slots], v_cache[slots]  # [B,K,M,d]
     pos = torch.arange(k.shape[2], device=q.device)
-    if shared_lens is not None:
-        prefix = (pos[None, :] < shared_lens[:, None])[:, None, :, None]  # [B,1,M,1]
-        k = torch.where(prefix, k_cache[shared_slots], k)
-        v = torch.where(prefix, v_cache[shared_slots], v)
     valid = pos[None, :] < lengths[:, None]  # [B,M]
     if window is not None:
         valid &= pos[None, :] >= lengths[:, None] - window
@@ -74,13 +62,13 @@ def num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, pr
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(Q, K, V, Slots, Lengths, SharedSlots, SharedLens, Acc, Max, Sum, Out,
+    def _split_kernel(Q, K, V, Slots, Lengths, Acc, Max, Sum, Out,
                       stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
                       stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
                       scale_log2, window,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, SHARED: tl.constexpr):
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -105,9 +93,6 @@ if triton is not None:
             q = q.to(tl.float32)
         k_base = K + slot * stride_ks + kvh * stride_kh
         v_base = V + slot * stride_vs + kvh * stride_vh
-        if SHARED:  # prefix positions come from the shared slot: offsets relative to the own slot's
-            shared_len = tl.load(SharedLens + b).to(tl.int32)
-            shift = tl.load(SharedSlots + b).to(tl.int64) - slot
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -116,13 +101,7 @@ if triton is not None:
             pos = n0 + offs_n
             mask_n = pos < hi
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            k_ptr = k_base + pos[:, None] * stride_kt + offs_d[None, :]
-            v_ptr = v_base + pos[:, None] * stride_vt + offs_d[None, :]
-            if SHARED:
-                row_shift = tl.where(pos < shared_len, shift, 0)[:, None]  # [BLOCK, 1]
-                k_ptr += row_shift * stride_ks
-                v_ptr += row_shift * stride_vs
-            k = tl.load(k_ptr, mask=kv_mask, other=0.0)
+            k = tl.load(k_base + pos[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_H, BLOCK]
@@ -131,7 +110,7 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + pos[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
             if UPCAST:
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -168,8 +147,7 @@ if triton is not None:
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                            lengths: torch.Tensor, window: int | None, shared_slots: torch.Tensor | None = None,
-                            shared_lens: torch.Tensor | None = None, *, block: int = BLOCK_N,
+                            lengths: torch.Tensor, window: int | None, *, block: int = BLOCK_N,
                             programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
                             num_stages: int = NUM_STAGES) -> torch.Tensor:
     """Same contract as ``decode_attention_torch``; GPU (or ``TRITON_INTERPRET=1`` on CPU).
@@ -192,18 +170,15 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # interpreter cannot multiply bf16 tiles, so there they are upcast to fp32 first.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     upcast = q.device.type != "cuda"
-    shared = shared_lens is not None
     _split_kernel[(B, K, splits)](
-        q, k_cache, v_cache, slots, lengths, shared_slots if shared else slots, shared_lens if shared else lengths,
-        acc, row_max, row_sum, out,
+        q, k_cache, v_cache, slots, lengths, acc, row_max, row_sum, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0), row_max.stride(1),
         out.stride(0), out.stride(1),
         (1.0 / math.sqrt(d)) * math.log2(math.e), window or 0,
         GROUP=group, HEAD_DIM=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, SHARED=shared, num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
     )
     if splits == 1:
         return out
@@ -218,18 +193,17 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # A registered operator, so that torch.compile treats the kernel as one opaque call.
 @torch.library.custom_op("shardflow::decode_attention", mutates_args=())
 def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                        lengths: torch.Tensor, window: int, shared_slots: torch.Tensor | None = None,
-                        shared_lens: torch.Tensor | None = None) -> torch.Tensor:
-    return decode_attention_triton(q, k_cache, v_cache, slots, lengths, window or None, shared_slots, shared_lens)
+                        lengths: torch.Tensor, window: int) -> torch.Tensor:
+    return decode_attention_triton(q, k_cache, v_cache, slots, lengths, window or None)
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, slots, lengths, window, shared_slots=None, shared_lens=None):
+def _(q, k_cache, v_cache, slots, lengths, window):
     return q.new_empty(q.shape)  # contiguous, like the real output
 
 
-def _triton_via_op(q, k_cache, v_cache, slots, lengths, window, shared_slots=None, shared_lens=None):
-    return decode_attention_op(q, k_cache, v_cache, slots, lengths, window or 0, shared_slots, shared_lens)
+def _triton_via_op(q, k_cache, v_cache, slots, lengths, window):
+    return decode_attention_op(q, k_cache, v_cache, slots, lengths, window or 0)
 
 
 # name -> attention function (the ``attention`` engine option)

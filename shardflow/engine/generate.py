@@ -12,10 +12,7 @@ tokens, which ``sampling.sample`` makes identical across tp). ``submit`` queues 
 3. launch one decode step over every active request (graph-captured on GPU), then read back the
    tokens of the step launched before it: the host does its bookkeeping while the device decodes,
    and a batch whose rows do not change goes from step to step without host work in between
-   (the step writes its own next inputs, see ``cuda_graphs``). The samples of one prefill are
-   adjacent in the batch and read their copied prompt KV from the slot of the first of them in
-   it (``shared_prefix``): each copy is identical, and whenever the batch's rows change the shared
-   columns are recomputed from the rows, so a row never reads the slot of a request that left;
+   (the step writes its own next inputs, see ``cuda_graphs``);
 4. retire the requests that those tokens finished, freeing their slots, so the active batch
    shrinks.
 
@@ -60,7 +57,6 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # capture decode steps as CUDA graphs; None: on CUDA
     compile: bool = False  # torch.compile the decode step (fuses elementwise ops; tp = 1 only)
     compile_mode: str = "default"  # torch.compile mode of the decode step (one that leaves graphs to the engine)
-    shared_prefix: bool = True  # samples of one prefill read its prompt KV from one slot (False: each its copy)
 
     def __post_init__(self) -> None:
         if self.attention not in ("auto", *ATTENTION):
@@ -75,8 +71,6 @@ class EngineConfig:
             raise ValueError(f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
-        if not isinstance(self.shared_prefix, bool):
-            raise ValueError(f"shared_prefix must be True or False, got {self.shared_prefix!r}")
 
 
 @dataclass
@@ -205,12 +199,10 @@ class Engine:
     # ----- one decode step (what a CUDA graph captures) -------------------------------------------
 
     def _step(self, ints: torch.Tensor, floats: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """ints [7,B] (tokens, positions, slots, top_k, seeds, shared slots, shared lengths), floats [2,B]
-        (temperature, top_p)."""
-        tokens, positions, slots, top_k, seeds, shared_slots, shared_lens = ints.unbind(0)
+        """ints [5,B] (tokens, positions, slots, top_k, seeds), floats [2,B] (temperature, top_p)."""
+        tokens, positions, slots, top_k, seeds = ints.unbind(0)
         temperature, top_p = floats.unbind(0)
-        shared = (shared_slots, shared_lens) if self.config.shared_prefix else ()
-        logits = decode_logits(self.model, self.cache, self.attention, tokens, positions, slots, *shared)
+        logits = decode_logits(self.model, self.cache, self.attention, tokens, positions, slots)
         st = SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds, position=positions + 1)
         return sample(logits, st, vocab_start=self.model.shard.vocab_start, vocab_size=self.model.cfg.vocab_size,
                       group=self.model.tp_group, mode=mode)
@@ -287,7 +279,7 @@ class Engine:
         requests = self.active + [r for unit in self.waiting for r in unit]
         for r in self.active:
             self.cache.release(r.slot)
-            r.drop_kv()
+            r.slot, r.cached_len = None, 0
         self.active, self.waiting = [], deque()
         return requests
 
@@ -304,8 +296,7 @@ class Engine:
 
     def adopt(self, requests: Sequence[Request]) -> None:
         """Requests whose KV is already in this engine's cache (``slot`` and ``cached_len`` set)
-        join the end of the active batch, in order, except that samples of one prefill move next
-        to each other (they share their prefix in decode)."""
+        join the end of the active batch, in order."""
         for r in requests:
             if r.done or r.slot is None or not 0 < r.cached_len <= r.num_tokens - 1:
                 raise ValueError(f"request {r.request_id} cannot be adopted: done={r.done}, slot={r.slot}, "
@@ -313,7 +304,7 @@ class Engine:
         if self._launched is not None:
             raise RuntimeError("cannot adopt requests with a decode step in flight; flush first")
         self.cache.reserve([r.slot for r in requests])
-        self.active = _prefills_together(self.active + list(requests))
+        self.active += list(requests)
 
     def warm_graphs(self, batch: int, modes: Sequence[str]) -> int:
         """Capture the decode graphs of every batch bucket up to ``batch``'s for ``modes`` now
@@ -368,7 +359,6 @@ class Engine:
                 self.cache.copy_prefix(unit[0].slot, [r.slot for r in unit[1:]], len(seq))
             for r in unit:
                 r.cached_len = len(seq)
-                r.prefix_source, r.prefix_len = (unit[0].request_id, len(seq)) if len(unit) > 1 else (None, 0)
                 if not r.output_ids:
                     fresh.append(r)
                     rows.append(i)
@@ -397,7 +387,7 @@ class Engine:
                     if not r.done and not r.ends_by_length(self.max_seq_len, pending=1)]
             rows = [prev.rows[i] for i in keep]
             if len(rows) < len(prev.rows):
-                self.decode.keep(keep, _shared_columns(rows))
+                self.decode.keep(keep)
         self._launched = self._launch(rows) if rows else None
         if prev is not None:
             self._read(prev)
@@ -450,7 +440,7 @@ class Engine:
                 still.append(r)
                 continue
             self.cache.release(r.slot)
-            r.drop_kv()
+            r.slot, r.cached_len = None, 0
             if on_finish is not None:
                 on_finish(r)
         self.active = still
@@ -462,36 +452,12 @@ def _prefill_ids(r: Request) -> list[int]:
 
 
 def _step_inputs(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host tensors ints [7,B] (tokens left 0, positions, slots, top_k, seeds, shared slots,
-    shared lengths), floats [2,B]."""
+    """Host tensors ints [5,B] (tokens left 0, positions, slots, top_k, seeds), floats [2,B]."""
     ints = torch.tensor([[0, r.cached_len, r.slot, r.params.top_k, r.seed] for r in requests],
-                        dtype=torch.int64).T
-    ints = torch.cat([ints, _shared_columns(requests)])
+                        dtype=torch.int64).T.contiguous()
     floats = torch.tensor([[r.params.temperature, r.params.top_p] for r in requests],
                           dtype=torch.float32).T.contiguous()
     return ints, floats
-
-
-def _shared_columns(rows: list[Request]) -> torch.Tensor:
-    """[2,B] (shared slot, shared length) of each decode row: the samples of one prefill read its
-    prefix from the slot of the first of them among ``rows`` (which reads its own: length 0). Only
-    slots of these rows appear, so none can be one a request left and another overwrites."""
-    first: dict[int, Request] = {}
-    columns = []
-    for i, r in enumerate(rows):
-        leader = first.setdefault(r.prefix_source, r) if r.prefix_len else r
-        # adjacent, so that a group's programs run together and its prefix is read from L2
-        assert leader is r or rows[i - 1].prefix_source == r.prefix_source, "samples of a prefill not adjacent"
-        columns.append((leader.slot, 0 if leader is r else r.prefix_len))
-    return torch.tensor(columns, dtype=torch.int64).reshape(len(rows), 2).T
-
-
-def _prefills_together(rows: list[Request]) -> list[Request]:
-    """``rows`` with each prefill's samples moved up to the first of them (otherwise in order)."""
-    order: dict[object, list[Request]] = {}
-    for r in rows:
-        order.setdefault(r.prefix_source if r.prefix_len else r, []).append(r)
-    return [r for members in order.values() for r in members]
 
 
 def _mode(requests: list[Request]) -> str:

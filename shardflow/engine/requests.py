@@ -2,8 +2,7 @@
 
 A request is everything needed to continue it anywhere: its prompt and generated tokens with
 their log-probabilities, its sampling parameters and seed, and where its KV cache lives (a slot
-of one engine's cache, holding ``cached_len`` positions, the first ``prefix_len`` of them copied
-from one prefill shared with other samples of the prompt). Adaptive TP moves requests between
+of one engine's cache, holding ``cached_len`` positions). Adaptive TP moves requests between
 replicas by handing this state over and either migrating the slot's KV or recomputing it with a
 prefill of ``prompt_ids + output_ids[:-1]``.
 """
@@ -60,10 +59,6 @@ class Request:
     finish_reason: str | None = None  # STOP, LENGTH or CONTEXT once done
     slot: int | None = None  # KV cache slot while admitted to an engine
     cached_len: int = 0  # positions of the sequence whose K/V are in the slot
-    # The slot's first prefix_len positions were copied from the prefill of request prefix_source's
-    # slot: identical in every sample of that prefill, so decode may read them from any one of them.
-    prefix_source: int | None = None
-    prefix_len: int = 0
 
     @property
     def done(self) -> bool:
@@ -73,10 +68,6 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt_ids) + len(self.output_ids)
-
-    def drop_kv(self) -> None:
-        """Forget the slot and its KV (continuing recomputes them)."""
-        self.slot, self.cached_len, self.prefix_source, self.prefix_len = None, 0, None, 0
 
     def ends_by_length(self, max_seq_len: int, *, pending: int = 0) -> bool:
         """Whether the request is at a length limit once ``pending`` more tokens are appended
