@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The single-GPU benchmarks of BENCHMARKS.md, in three parts that each fit a 10-minute window:
-#   bench/h200.sh OUT a   generation, training log-probabilities (fused kernels), and the GRPO
-#                         training call of part b alone with its kernel profile
-#   bench/h200.sh OUT b   one GRPO iteration against TRL, and where a decode step's time goes
-#   bench/h200.sh OUT c   adaptive TP (one-GPU parts), planner accuracy, the training step, and
-#                         where a decode step of the GRPO iteration's shape goes
+# The single-GPU benchmarks of BENCHMARKS.md, in four parts that each fit a 10-minute window:
+#   bench/h200.sh OUT a   generation (parity of the fast path, decode attention, the engine against
+#                         its roofline and transformers)
+#   bench/h200.sh OUT b   one GRPO iteration against TRL, and the training log-probabilities
+#   bench/h200.sh OUT c   the GRPO training call with its kernel profile, and where a decode step goes
+#                         (LLaMA-3.1-8B shape, and the GRPO iteration's groups on the Qwen3 shape)
+#   bench/h200.sh OUT d   adaptive TP (one-GPU parts), planner accuracy, the training step
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
-OUT=${1:?usage: bench/h200.sh OUT a|b|c}
-PART=${2:?usage: bench/h200.sh OUT a|b|c}
+OUT=${1:?usage: bench/h200.sh OUT a|b|c|d}
+PART=${2:?usage: bench/h200.sh OUT a|b|c|d}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORK=$(mktemp -d)
 LOG=$OUT/log.txt
@@ -29,21 +30,24 @@ run() {  # name, time limit in seconds, files to keep (comma-separated), command
 transformers.__version__, "triton", triton.__version__)'; } >> "$LOG" 2>&1
 case $PART in
   a)
-    run generation 290 generation.json python3 bench/generation.py --steps 24 --hf-steps 16
-    run token_stats 60 token_stats.json python3 bench/token_stats.py
-    run train_call 150 train_step.json python3 bench/train_step.py --model qwen3-1.7b --batch 256 --max-len 576 \
-      --equal-lengths --compile --profile --steps 3
+    run generation 560 generation.json python3 bench/generation.py --steps 24 --hf-steps 16
     ;;
   b)
-    run iteration 330 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 3
-    run decode_profile 150 decode_profile.json python3 bench/decode_profile.py
+    run iteration 420 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 3 --skip-planner
+    run token_stats 60 token_stats.json python3 bench/token_stats.py
     ;;
   c)
+    run train_call 150 train_step.json python3 bench/train_step.py --model qwen3-1.7b --batch 256 --max-len 576 \
+      --equal-lengths --compile --profile --steps 3
+    run decode_profile 180 decode_profile.json python3 bench/decode_profile.py
+    mv "$OUT/decode_profile.json" "$OUT/decode_profile_llama.json" 2>/dev/null
+    run decode_profile_grpo 180 decode_profile.json python3 bench/decode_profile.py --model qwen3-1.7b \
+      --profile-cases 256x320 --samples-per-prompt 8 --prompt-tokens 64 --temperature 1.0
+    ;;
+  d)
     run adaptive 120 adaptive_tp.json,adaptive_trace_simulated.png,decode_steps.json python3 bench/adaptive_tp.py
-    run planner_accuracy 150 planner_accuracy.json python3 bench/planner_accuracy.py
-    run train_step 100 train_step.json python3 bench/train_step.py --steps 5
-    run decode_profile_grpo 100 decode_profile.json python3 bench/decode_profile.py --model qwen3-1.7b \
-      --profile-cases 256x320
+    run planner_accuracy 240 planner_accuracy.json python3 bench/planner_accuracy.py
+    run train_step 120 train_step.json python3 bench/train_step.py --steps 5
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40
