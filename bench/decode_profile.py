@@ -102,7 +102,7 @@ def kernel_profile(model, device, batch: int, context: int, compile: bool, tempe
                    samples: int = 1, prompt: int | None = None) -> list[dict]:
     """Top kernels of 10 decode steps at ``batch`` rows and ``context`` positions: ``batch /
     samples`` prompts of ``prompt`` tokens (default ``context``) with ``samples`` samples each
-    (sharing the prompt's KV, as GRPO groups do), decoded up to ``context`` before profiling."""
+    (one prefill per prompt, as GRPO groups have), decoded up to ``context`` before profiling."""
     from torch.profiler import ProfilerActivity, profile
 
     prompt = prompt or context
@@ -169,7 +169,7 @@ def main() -> None:
     parser.add_argument("--profile-cases", default="1x1024,64x1024",
                         help="batch x context cases of the kernel profile, comma-separated")
     parser.add_argument("--samples-per-prompt", type=int, default=1,
-                        help="rows per prompt in the kernel profile (GRPO groups share their prompt's KV)")
+                        help="rows per prompt in the kernel profile (GRPO groups share their prompt's prefill)")
     parser.add_argument("--prompt-tokens", type=int, default=None,
                         help="prompt length of the kernel profile (default: the context; decoded up to it)")
     parser.add_argument("--temperature", type=float, default=0.0,

@@ -8,7 +8,8 @@ In one run, on one device:
 2. a parity check on a tiny random model: the fast path (CUDA graphs, Triton decode attention,
    torch.compile unless --no-compile) against the plain path (eager, torch attention) on the same
    device, greedy: float32 tokens must be identical; in bfloat16 every fast-path token must be the
-   plain path's argmax up to bf16 rounding (a top-2 margin below BF16_TIE counts as a tie);
+   plain path's argmax up to bf16 rounding (a top-2 margin below BF16_TIE counts as a tie); and
+   in float32 a sampled run whose batch shrinks and refills (``shrinking_parity``);
 3. the Triton decode attention alone (20 calls per CUDA graph replay, so that launch overhead
    does not count): achieved GB/s reading the KV cache;
 4. the engine on random weights of the model shape, forced output length (EOS ignored), for each
@@ -154,10 +155,10 @@ def parity_check(device: torch.device, compile_: bool, compile_mode: str = "defa
 
 def shrinking_parity(model, plain: dict, fast: dict) -> dict:
     """The path RL runs take and forced lengths never do: groups of samples sharing their prompt's
-    prefill, rows leaving at different steps (length
-    limits and a stop token), more requests than the batch holds (admissions mid-run, freed slots
-    reused), so that the fast path changes batch buckets, compacts rows and captures graphs
-    mid-run. float32 tokens, log-probabilities and finish reasons must equal the plain path's."""
+    prefill, rows leaving at different steps (length limits and a stop token), more requests than
+    the batch holds (admissions mid-run, freed slots reused), so that the fast path changes batch
+    buckets, compacts rows and captures graphs mid-run. float32 tokens, log-probabilities and
+    finish reasons must equal the plain path's."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 25, 5)]
     params = [SamplingParams(max_new_tokens=n, temperature=1.0, seed=11, stop_token_ids=(7,))
