@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from torch.distributed import ProcessGroup
 
-from shardflow.engine.sampling_kernel import sample_candidates_op
+from shardflow.engine import sampling_kernel
 from shardflow.parallel import comm
 
 MASK32 = 0xFFFFFFFF
@@ -173,8 +173,9 @@ def sample(logits: torch.Tensor, st: SamplingTensors, *, vocab_start: int, vocab
     rank: 1 in torch, the Triton kernel's on GPUs; gathered in rank order, so the chunks stay in
     vocabulary order); FILTER one of the logits.
     """
-    if mode != FILTER and logits.is_cuda:  # one pass over the raw logits (sampling_kernel)
-        mine = sample_candidates_op(logits, st.temperature, st.seed, st.position, vocab_start, mode == SAMPLE)
+    if mode != FILTER and logits.is_cuda and sampling_kernel.triton is not None:  # one pass over the logits
+        mine = sampling_kernel.sample_candidates_op(logits, st.temperature, st.seed, st.position, vocab_start,
+                                                    mode == SAMPLE)
         return pick(comm.all_gather(mine, group, dim=0))
     z = scaled_logits(logits, st.temperature)  # [B, V_local]
     if mode != FILTER:
