@@ -3,11 +3,11 @@
     python bench/decode_profile.py --out runs/decode-profile            # one GPU, LLaMA-3.1-8B shape
     python bench/decode_profile.py --out runs/decode-profile --tiny     # CPU check
 
-1. With ``--sweep``: the Triton decode attention over a grid of its tuning knobs (positions per
-   block, programs per SM, warps, pipeline stages), GB/s of KV read, for several batch x context
-   cases (some 360 kernel compilations: minutes).
-2. The projections as plain ``F.linear`` per weight shape (and with q/k/v and gate/up fused), GB/s of
-   weight read, at batch 1 and 64.
+1. With ``--sweep``: the Triton decode attention per batch x context case over its split count at
+   the engine's knobs, then over positions per block, warps and pipeline stages at the split count
+   the engine picks; GB/s of KV read (about 80 kernel compilations per model shape: minutes).
+2. The decode step's projections as plain ``F.linear`` per weight shape, under cuBLAS and
+   cuBLASLt, GB/s of weight read, at batch 1, 16, 64 and 256.
 3. A kernel-level profile (torch.profiler) of the engine's compiled decode step (and with
    ``--eager`` the eager one) at batch 1 and 64: the top kernels by device time.
 Writes ``decode_profile.json`` to ``--out`` and prints the best settings found.
@@ -32,10 +32,12 @@ from iteration import QWEN3_1_7B  # noqa: E402
 
 from shardflow.engine.decode_attention import (  # noqa: E402
     BLOCK_N,
+    MAX_SPLITS,
     NUM_STAGES,
     NUM_WARPS,
     PROGRAMS_PER_SM,
     decode_attention_triton,
+    num_splits,
 )
 from shardflow.engine.generate import Engine, EngineConfig  # noqa: E402
 from shardflow.engine.requests import SamplingParams, make_requests  # noqa: E402
@@ -58,8 +60,12 @@ def model_config(name: str):
 
 
 def attention_sweep(device, cfg, cases, dtype) -> list[dict]:
+    """Per batch x context case: the split count at the engine's knobs (1 to 32 splits, and what
+    ``num_splits`` picks), then the other knobs at the picked split count; microseconds per call
+    of 20 calls in one CUDA graph (no launch overhead), split and merge kernels together."""
     kv, d = cfg.num_kv_heads, cfg.head_dim
     heads = cfg.num_heads
+    block, _, warps, stages = ENGINE_KNOBS
     rows = []
     for batch, context in cases:
         k = torch.randn(batch + 1, kv, context + 1, d, dtype=dtype, device=device)
@@ -68,33 +74,46 @@ def attention_sweep(device, cfg, cases, dtype) -> list[dict]:
         slots = torch.arange(batch, device=device)
         lengths = torch.full((batch,), context, device=device)
         nbytes = 2 * batch * kv * context * d * k.element_size()
-        for block, pps, warps, stages in itertools.product((32, 64, 128), (2, 4, 8, 16), (4, 8), (2, 3, 4)):
+        picked = num_splits(batch, kv, context + 1, device)
+        most = min(MAX_SPLITS, -(-context // block))
+        grid = [(block, warps, stages, n) for n in sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if n <= most}
+                                                          | {picked})]
+        grid += [(b, w, st, picked) for b, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))
+                 if (b, w, st) != (block, warps, stages)]
+        for b, w, st, n in grid:
+            row = dict(batch=batch, context=context, block=b, warps=w, stages=st, splits=n, picked=n == picked)
             try:
-                s = timed(lambda: decode_attention_triton(q, k, v, slots, lengths, None, block=block,
-                                                          programs_per_sm=pps, num_warps=warps, num_stages=stages),
-                          device, repeat=20)
+                seconds = kernel_timed(lambda: decode_attention_triton(q, k, v, slots, lengths, None, block=b,
+                                                                       num_warps=w, num_stages=st, splits=n), device)
             except Exception as e:  # noqa: BLE001 - a config may not compile (shared memory)
-                rows.append(dict(batch=batch, context=context, block=block, pps=pps, warps=warps, stages=stages,
-                                 error=str(e)[:200]))
+                rows.append(row | dict(error=str(e)[:200]))
                 continue
-            rows.append(dict(batch=batch, context=context, block=block, pps=pps, warps=warps, stages=stages,
-                             us=s * 1e6, gbps=nbytes / s / 1e9))
+            rows.append(row | dict(us=seconds * 1e6, gbps=nbytes / seconds / 1e9))
         del k, v
     return rows
 
 
 def linear_sweep(device, cfg, dtype) -> list[dict]:
+    """``F.linear`` per weight shape and batch under cuBLAS and cuBLASLt: microseconds per call of
+    calls in one CUDA graph over enough copies of the weight that L2 cannot hold them (the decode
+    step reads each weight once per step)."""
     H, I = cfg.hidden_size, cfg.intermediate_size
-    shapes = {"q": (cfg.q_size, H), "k": (cfg.kv_size, H), "o": (H, cfg.q_size), "gate": (I, H),
-              "down": (H, I), "qkv_fused": (cfg.q_size + 2 * cfg.kv_size, H), "gate_up_fused": (2 * I, H),
-              "lm_head": (cfg.vocab_size, H)}
+    shapes = {"qkv_fused": (cfg.q_size + 2 * cfg.kv_size, H), "o": (H, cfg.q_size), "gate_up_fused": (2 * I, H),
+              "down": (H, I), "lm_head": (cfg.vocab_size, H)}
+    chosen = torch.backends.cuda.preferred_blas_library()
     rows = []
-    for (name, (n, kdim)), batch in itertools.product(shapes.items(), (1, 16, 64)):
-        w = torch.randn(n, kdim, dtype=dtype, device=device)
+    for (name, (n, kdim)), batch, library in itertools.product(shapes.items(), (1, 16, 64, 256), ("cublas", "cublaslt")):
+        copies = max(1, -(-256 * 2**20 // (n * kdim * 2)))  # >= 256 MiB, five times the L2
+        ws = [torch.randn(n, kdim, dtype=dtype, device=device) for _ in range(copies)]
         x = torch.randn(batch, kdim, dtype=dtype, device=device)
-        s = timed(lambda: F.linear(x, w), device, repeat=30)
-        rows.append(dict(weight=name, batch=batch, us=s * 1e6, gbps=w.numel() * w.element_size() / s / 1e9))
-        del w
+        torch.backends.cuda.preferred_blas_library(library)
+        try:
+            seconds = kernel_timed(lambda: [F.linear(x, w) for w in ws], device, calls=max(1, 20 // copies)) / copies
+        finally:
+            torch.backends.cuda.preferred_blas_library(chosen)
+        rows.append(dict(weight=name, batch=batch, library=library, us=seconds * 1e6,
+                         gbps=ws[0].numel() * ws[0].element_size() / seconds / 1e9))
+        del ws
     return rows
 
 
@@ -164,7 +183,8 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="also profile the eager decode step")
     parser.add_argument("--sweep-cases", default="1x8192,16x1024,64x1024,64x8192,256x1024",
                         help="batch x context cases of the sweep, comma-separated")
-    parser.add_argument("--sweep-only", action="store_true", help="only the attention sweep")
+    parser.add_argument("--sweep-only", action="store_true",
+                        help="only the sweeps (attention and projections): no sampler, no profile")
     parser.add_argument("--model", choices=("llama-3.1-8b", "qwen3-1.7b"), default="llama-3.1-8b")
     parser.add_argument("--profile-cases", default="1x1024,64x1024",
                         help="batch x context cases of the kernel profile, comma-separated")
@@ -189,7 +209,7 @@ def main() -> None:
         cases = [tuple(int(x) for x in case.split("x")) for case in args.sweep_cases.split(",")]
         result["attention"] = attention_sweep(device, cfg, cases, dtype) if args.sweep or args.sweep_only else []
         (out / "decode_profile.json").write_text(json.dumps(result, indent=2))
-        result["linear"] = [] if args.sweep_only else linear_sweep(device, cfg, dtype)
+        result["linear"] = linear_sweep(device, cfg, dtype)
         result["sampler"] = [] if args.sweep_only else sampler_times(device, cfg)
         model = None if args.sweep_only else random_model(cfg, device, dtype)
         result["profile"] = {}
@@ -205,14 +225,17 @@ def main() -> None:
             (out / "decode_profile.json").write_text(json.dumps(result, indent=2))  # kept if cut short
     (out / "decode_profile.json").write_text(json.dumps(result, indent=2))
     if device.type == "cuda":
+        knobs = (ENGINE_KNOBS[0], ENGINE_KNOBS[2], ENGINE_KNOBS[3])
         for batch, context in sorted({(r["batch"], r["context"]) for r in result["attention"]}):
-            ok = [r for r in result["attention"] if r["batch"] == batch and r["context"] == context and "gbps" in r]
-            best = max(ok, key=lambda r: r["gbps"])
-            default = next(r for r in ok if (r["block"], r["pps"], r["warps"], r["stages"]) == ENGINE_KNOBS)
-            print(f"attention b{batch} ctx{context}: default {default['gbps']:.0f} GB/s, best {best['gbps']:.0f} GB/s "
-                  f"(block {best['block']} pps {best['pps']} warps {best['warps']} stages {best['stages']})")
+            ok = [r for r in result["attention"] if r["batch"] == batch and r["context"] == context and "us" in r]
+            best = min(ok, key=lambda r: r["us"])
+            picked = next(r for r in ok if r["picked"] and (r["block"], r["warps"], r["stages"]) == knobs)
+            by_splits = " ".join(f"{r['splits']}:{r['us']:.1f}" for r in ok if (r["block"], r["warps"], r["stages"]) == knobs)
+            print(f"attention b{batch} ctx{context}: picked {picked['splits']} splits {picked['us']:.1f} us "
+                  f"({picked['gbps']:.0f} GB/s); best {best['us']:.1f} us (block {best['block']} warps {best['warps']} "
+                  f"stages {best['stages']} splits {best['splits']}); us by splits {by_splits}")
         for r in result["linear"]:
-            print(f"linear {r['weight']:>14} b{r['batch']:<3} {r['us']:8.1f} us {r['gbps']:6.0f} GB/s")
+            print(f"linear {r['weight']:>14} b{r['batch']:<3} {r['library']:>8} {r['us']:8.1f} us {r['gbps']:6.0f} GB/s")
         for r in result["sampler"]:
             print(f"sampler b{r['batch']:<3} {r['mode']:>6} {r['us']:8.1f} us ({r['gbps']:5.0f} GB/s of bf16 logits), "
                   f"torch ops compiled {r['torch_us']:8.1f} us; same tokens {r['same_tokens']}, "

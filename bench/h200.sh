@@ -6,11 +6,13 @@
 #   bench/h200.sh OUT c   the GRPO training call with its kernel profile, and where a decode step goes
 #                         (LLaMA-3.1-8B shape, and the GRPO iteration's groups on the Qwen3 shape)
 #   bench/h200.sh OUT d   adaptive TP (one-GPU parts), planner accuracy, the training step
+#   bench/h200.sh OUT e   the decode attention's split count and knobs, and the projections under
+#                         cuBLAS and cuBLASLt (LLaMA-3.1-8B shape, and the GRPO iteration's Qwen3 shape)
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
-OUT=${1:?usage: bench/h200.sh OUT a|b|c|d}
-PART=${2:?usage: bench/h200.sh OUT a|b|c|d}
+OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e}
+PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORK=$(mktemp -d)
 LOG=$OUT/log.txt
@@ -48,6 +50,14 @@ case $PART in
     run adaptive 120 adaptive_tp.json,adaptive_trace_simulated.png,decode_steps.json python3 bench/adaptive_tp.py
     run planner_accuracy 240 planner_accuracy.json python3 bench/planner_accuracy.py
     run train_step 120 train_step.json python3 bench/train_step.py --steps 5
+    ;;
+  e)
+    run sweep_llama 300 decode_profile.json python3 bench/decode_profile.py --sweep-only \
+      --sweep-cases 1x1024,1x8192,16x1024,64x1024,64x8192,256x1024
+    mv "$OUT/decode_profile.json" "$OUT/decode_sweep_llama.json" 2>/dev/null
+    run sweep_qwen 200 decode_profile.json python3 bench/decode_profile.py --model qwen3-1.7b --sweep-only \
+      --sweep-cases 64x320,256x320,256x576
+    mv "$OUT/decode_profile.json" "$OUT/decode_sweep_qwen.json" 2>/dev/null
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40

@@ -24,11 +24,13 @@ def check_kernel() -> None:
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     cpu = torch.device("cpu")
-    assert [num_splits(b, k, 300, cpu, programs_per_sm=4) for b, k in ((5, 2), (5, 1), (8, 2))] == [2, 4, 1]
+    # one wave of 4 SMs x programs_per_sm programs, at most one split per 64-position block
+    assert [num_splits(b, k, 300, cpu, programs_per_sm=4) for b, k in ((5, 2), (5, 1), (1, 2), (1, 1))] == [1, 3, 5, 5]
     g = torch.Generator().manual_seed(0)
     # (query heads, KV heads, head dim, dtype, window, rows): GQA groups of 2, 3 (not a power of
     # two) and 8; a head dim that is not a power of two; bf16 as on the GPU; sliding windows; rows
-    # giving several splits per request, and (8 rows x 2 KV heads) a single split.
+    # split one way, three ways and seven ways (so that splits past a short request's last
+    # position are empty).
     cases = [(4, 2, 16, torch.float32, None, 5), (6, 2, 24, torch.float32, 16, 5),
              (8, 1, 32, torch.bfloat16, 100, 5), (4, 2, 16, torch.float32, None, 8)]
     for H, K, d, dtype, window, rows in cases:
@@ -38,11 +40,13 @@ def check_kernel() -> None:
         kc = torch.randn(8, K, 300, d, generator=g).to(dtype)
         vc = torch.randn(8, K, 300, d, generator=g).to(dtype)
         q = torch.randn(rows, H, 8, d, generator=g).to(dtype)[:, :, 3]  # strided like the model's q
-        got = decode_attention_triton(q, kc, vc, slots, lengths, window).float()
         want = decode_attention_torch(q.float(), kc.float(), vc.float(), slots, lengths, window)
-        # fp32: only the summation order differs; bf16: the output is rounded to bf16.
-        atol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"{H} {K} {d} {dtype} {window} {rows}")
+        for splits in (1, 3, 7):
+            got = decode_attention_triton(q, kc, vc, slots, lengths, window, splits=splits).float()
+            # fp32: only the summation order differs; bf16: the output is rounded to bf16.
+            atol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got, want, atol=atol, rtol=0,
+                                       msg=f"{H} {K} {d} {dtype} {window} {rows} splits {splits}")
 
 
 def check_engine(path: str) -> None:

@@ -28,9 +28,12 @@ try:
 except ImportError:  # the plain path needs no Triton
     triton = None
 
-BLOCK_N = 64  # cache positions per inner step
-# Measured on an H200 over batch 1-256 x context 1K-8K: within 8% of the best setting everywhere.
-PROGRAMS_PER_SM, NUM_WARPS, NUM_STAGES = 8, 8, 3
+# Positions per inner step, warps, pipeline stages: one setting for all shapes, within 3% of the
+# best of a sweep (bench/decode_profile.py --sweep, H200, LLaMA-3.1-8B and Qwen3-1.7B shapes,
+# contexts 320-8K) at batch 1, 64 and 256, and 16% at batch 16 (see BENCHMARKS.md).
+BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 4, 2
+# The splits fill one wave of about this many programs per SM, and no more.
+PROGRAMS_PER_SM = 2
 MAX_SPLITS = 32
 
 
@@ -52,11 +55,12 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM,
                block: int = BLOCK_N) -> int:
-    """Splits of each request's positions: about ``programs_per_sm`` programs per SM, so that the
-    last wave of programs is a small part of the work."""
+    """Splits of each request's positions: as many as fit ``programs_per_sm`` programs per SM in
+    one wave. More splits add partial results to merge and a ragged last wave; a batch that fills
+    the GPU by itself (requests x KV heads >= resident programs) takes one split and no merge."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    want = math.ceil(programs_per_sm * sms / max(1, batch * kv_heads))
-    return max(1, min(want, MAX_SPLITS, math.ceil(max_len / block)))
+    fit = programs_per_sm * sms // max(1, batch * kv_heads)
+    return max(1, min(fit, MAX_SPLITS, math.ceil(max_len / block)))
 
 
 if triton is not None:
@@ -149,9 +153,10 @@ if triton is not None:
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                             lengths: torch.Tensor, window: int | None, *, block: int = BLOCK_N,
                             programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
-                            num_stages: int = NUM_STAGES) -> torch.Tensor:
+                            num_stages: int = NUM_STAGES, splits: int | None = None) -> torch.Tensor:
     """Same contract as ``decode_attention_torch``; GPU (or ``TRITON_INTERPRET=1`` on CPU).
-    The keyword options are the kernel's tuning knobs (benchmarks sweep them)."""
+    The keyword options are the kernel's tuning knobs (benchmarks sweep them); ``splits``
+    overrides ``num_splits``."""
     if triton is None:
         raise RuntimeError("the Triton decode attention needs the triton package")
     q = q.contiguous()  # a no-op for the model's q; a compiled graph may lay it out otherwise
@@ -159,7 +164,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _, K, M, _ = k_cache.shape
     assert H % K == 0 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     group = H // K
-    splits = num_splits(B, K, M, q.device, programs_per_sm, block)
+    splits = splits or num_splits(B, K, M, q.device, programs_per_sm, block)
     out = torch.empty(B, H, d, dtype=q.dtype, device=q.device)
     parts = splits if splits > 1 else 0  # one split writes ``out`` directly: no partial results
     acc = torch.empty(B, H, parts, d, dtype=torch.float32, device=q.device)
