@@ -289,9 +289,6 @@ def main() -> None:
     parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
                         help="torch.compile mode of the decode step; other than default, every batch size "
                              "compiles for its own static shapes (autotuned kernels are chosen per shape)")
-    parser.add_argument("--pdl", action="store_true",
-                        help="inductor's kernels launch with programmatic dependent launch (Hopper and later): "
-                             "each kernel's launch overlaps the tail of the one before")
     parser.add_argument("--coordinate-descent", action="store_true",
                         help="let inductor tune each generated kernel's launch settings (slower compilation)")
     parser.add_argument("--skip-transformers", action="store_true", help="do not measure transformers generate")
@@ -318,11 +315,6 @@ def main() -> None:
     if args.coordinate_descent:
         torch._inductor.config.coordinate_descent_tuning = True
         report["coordinate_descent"] = True
-    if args.pdl:
-        if not hasattr(torch._inductor.config.triton, "enable_pdl"):
-            sys.exit(f"--pdl: torch {torch.__version__}'s inductor has no triton.enable_pdl option")
-        torch._inductor.config.triton.enable_pdl = True
-        report["pdl"] = True
     t0 = time.perf_counter()
 
     def save() -> None:  # after every section, so a run cut short still leaves what it measured

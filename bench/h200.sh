@@ -8,13 +8,11 @@
 #   bench/h200.sh OUT d   adaptive TP (one-GPU parts), planner accuracy, the training step
 #   bench/h200.sh OUT e   the decode attention's split count and knobs, and the projections under
 #                         cuBLAS and cuBLASLt (LLaMA-3.1-8B shape, and the GRPO iteration's Qwen3 shape)
-#   bench/h200.sh OUT f   reading weights into L2 ahead of batch-1 products; the engine at batch 1 and
-#                         64 (1K and 8K contexts), and at 1K with inductor's kernels launched with PDL
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
-OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f}
-PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f}
+OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e}
+PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORK=$(mktemp -d)
 LOG=$OUT/log.txt
@@ -60,15 +58,6 @@ case $PART in
     run sweep_qwen 200 decode_profile.json python3 bench/decode_profile.py --model qwen3-1.7b --sweep-only \
       --sweep-cases 64x320,256x320,256x576
     mv "$OUT/decode_profile.json" "$OUT/decode_sweep_qwen.json" 2>/dev/null
-    ;;
-  f)
-    run l2_prefetch 120 l2_prefetch.json python3 bench/l2_prefetch.py
-    run generation 290 generation.json python3 bench/generation.py --batches 1,64 --contexts 1024,8192 --steps 24 \
-      --skip-transformers
-    mv "$OUT/generation.json" "$OUT/generation_1_64.json" 2>/dev/null
-    run generation_pdl 150 generation.json python3 bench/generation.py --batches 1,64 --contexts 1024 --steps 24 \
-      --skip-transformers --skip-parity --pdl
-    mv "$OUT/generation.json" "$OUT/generation_pdl.json" 2>/dev/null
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40
