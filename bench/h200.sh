@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The single-GPU benchmarks of BENCHMARKS.md, in four parts that each fit a 10-minute window:
-#   bench/h200.sh OUT a   generation (parity of the fast path, decode attention, the engine against
-#                         its roofline and transformers)
+#   bench/h200.sh OUT a   the decode products (cuBLAS, cuBLASLt, the one-row kernel) and generation
+#                         (parity of the fast path, decode attention, the engine against its roofline
+#                         and transformers)
 #   bench/h200.sh OUT b   one GRPO iteration against TRL, and the training log-probabilities
 #   bench/h200.sh OUT c   the GRPO training call with its kernel profile, and where a decode step goes
 #                         (LLaMA-3.1-8B shape, and the GRPO iteration's groups on the Qwen3 shape)
@@ -32,7 +33,9 @@ run() {  # name, time limit in seconds, files to keep (comma-separated), command
 transformers.__version__, "triton", triton.__version__)'; } >> "$LOG" 2>&1
 case $PART in
   a)
-    run generation 560 generation.json python3 bench/generation.py --steps 24 --hf-steps 16
+    run projections 80 decode_profile.json python3 bench/decode_profile.py --sweep-only --sweep-cases 1x1024
+    mv "$OUT/decode_profile.json" "$OUT/decode_projections.json" 2>/dev/null
+    run generation 500 generation.json python3 bench/generation.py --steps 24 --hf-steps 16
     ;;
   b)
     run iteration 420 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 3 --skip-planner

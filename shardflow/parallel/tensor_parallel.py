@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed import ProcessGroup
 
-from shardflow.parallel.comm import all_reduce, reduce_from_tp
+from shardflow.models.gemv import linear
+from shardflow.parallel.comm import reduce_from_tp
 
 
 class RowParallelLinear(nn.Module):
@@ -26,7 +27,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        y = reduce_from_tp(linear(x, self.weight), self.group)  # one row (decoding): gemv
         return y if self.bias is None else y + self.bias
 
 

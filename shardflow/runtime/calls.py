@@ -33,7 +33,7 @@ from shardflow.parallel.world import World
 from shardflow.rl.advantages import compute_advantages
 from shardflow.rl.graph import Call, Graph, Kind
 from shardflow.rl.losses import actor_loss, critic_loss
-from shardflow.rl.rewards import last_token_scores, score_batch
+from shardflow.rl.rewards import score_batch
 
 # Per-token fields a model call needs from its inputs (everything else stays home).
 INFERENCE_FIELDS = ("input_ids",)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from shardflow.parallel.world import World, init_world
+from shardflow.parallel.world import init_world
 
 Entry = Callable[..., Any]
 FAILURE_GRACE_S = 3.0  # after a rank fails, how long the others get to report their own errors
