@@ -7,7 +7,7 @@
    the engine's knobs, then over positions per block, warps and pipeline stages at the split count
    the engine picks; GB/s of KV read (about 80 kernel compilations per model shape: minutes).
 2. The decode step's projections as plain ``F.linear`` per weight shape, under cuBLAS and
-   cuBLASLt, GB/s of weight read, at batch 1, 16, 64 and 256, and at batch 1 the one-row kernel.
+   cuBLASLt, GB/s of weight read, at batch 1, 16, 64 and 256.
 3. A kernel-level profile (torch.profiler) of the engine's compiled decode step (and with
    ``--eager`` the eager one) at batch 1 and 64: the top kernels by device time.
 Writes ``decode_profile.json`` to ``--out`` and prints the best settings found.
@@ -41,7 +41,6 @@ from shardflow.engine.decode_attention import (  # noqa: E402
 )
 from shardflow.engine.generate import Engine, EngineConfig  # noqa: E402
 from shardflow.engine.requests import SamplingParams, make_requests  # noqa: E402
-from shardflow.models.gemv import gemv_triton  # noqa: E402
 
 
 ENGINE_KNOBS = (BLOCK_N, PROGRAMS_PER_SM, NUM_WARPS, NUM_STAGES)  # what the engine runs
@@ -95,26 +94,21 @@ def attention_sweep(device, cfg, cases, dtype) -> list[dict]:
 
 
 def linear_sweep(device, cfg, dtype) -> list[dict]:
-    """``F.linear`` per weight shape and batch under cuBLAS and cuBLASLt, and at batch 1 the
-    one-row kernel the engine uses there (``gemv``): microseconds per call of calls in one CUDA
-    graph over enough copies of the weight that L2 cannot hold them (the decode step reads each
-    weight once per step)."""
+    """``F.linear`` per weight shape and batch under cuBLAS and cuBLASLt: microseconds per call of
+    calls in one CUDA graph over enough copies of the weight that L2 cannot hold them (the decode
+    step reads each weight once per step)."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     shapes = {"qkv_fused": (cfg.q_size + 2 * cfg.kv_size, H), "o": (H, cfg.q_size), "gate_up_fused": (2 * I, H),
               "down": (H, I), "lm_head": (cfg.vocab_size, H)}
     chosen = torch.backends.cuda.preferred_blas_library()
     rows = []
-    for (name, (n, kdim)), batch, library in itertools.product(shapes.items(), (1, 16, 64, 256),
-                                                               ("cublas", "cublaslt", "gemv")):
-        if library == "gemv" and batch > 1:
-            continue
+    for (name, (n, kdim)), batch, library in itertools.product(shapes.items(), (1, 16, 64, 256), ("cublas", "cublaslt")):
         copies = max(1, -(-256 * 2**20 // (n * kdim * 2)))  # >= 256 MiB, five times the L2
         ws = [torch.randn(n, kdim, dtype=dtype, device=device) for _ in range(copies)]
         x = torch.randn(batch, kdim, dtype=dtype, device=device)
-        product = gemv_triton if library == "gemv" else F.linear
-        torch.backends.cuda.preferred_blas_library("cublas" if library == "gemv" else library)
+        torch.backends.cuda.preferred_blas_library(library)
         try:
-            seconds = kernel_timed(lambda: [product(x, w) for w in ws], device, calls=max(1, 20 // copies)) / copies
+            seconds = kernel_timed(lambda: [F.linear(x, w) for w in ws], device, calls=max(1, 20 // copies)) / copies
         finally:
             torch.backends.cuda.preferred_blas_library(chosen)
         rows.append(dict(weight=name, batch=batch, library=library, us=seconds * 1e6,

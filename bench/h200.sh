@@ -33,9 +33,9 @@ run() {  # name, time limit in seconds, files to keep (comma-separated), command
 transformers.__version__, "triton", triton.__version__)'; } >> "$LOG" 2>&1
 case $PART in
   a)
-    run projections 80 decode_profile.json python3 bench/decode_profile.py --sweep-only --sweep-cases 1x1024
+    run projections 120 decode_profile.json python3 bench/decode_profile.py --sweep-only --sweep-cases 1x1024,16x1024,16x8192
     mv "$OUT/decode_profile.json" "$OUT/decode_projections.json" 2>/dev/null
-    run generation 500 generation.json python3 bench/generation.py --steps 24 --hf-steps 16
+    run generation 420 generation.json python3 bench/generation.py --steps 24 --hf-steps 16
     ;;
   b)
     run iteration 420 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 3 --skip-planner

@@ -21,7 +21,6 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from shardflow.models.config import ModelConfig, rope_inv_freq
-from shardflow.models.gemv import linear
 from shardflow.parallel.comm import copy_to_tp
 from shardflow.parallel.sharding import RankShard
 from shardflow.parallel.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
@@ -84,7 +83,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         x = copy_to_tp(x, self.group)
         if self.fused_qkv is not None and not torch.is_grad_enabled():
-            q, k, v = linear(x, *self.fused_qkv).split(
+            q, k, v = F.linear(x, *self.fused_qkv).split(
                 [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                  self.num_kv_heads * self.head_dim], dim=-1)
         else:

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from shardflow.models.gemv import linear
 from shardflow.parallel.comm import reduce_from_tp
 
 
@@ -27,7 +26,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(linear(x, self.weight), self.group)  # one row (decoding): gemv
+        y = reduce_from_tp(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
 
