@@ -30,7 +30,7 @@ except ImportError:  # the plain path needs no Triton
 
 # Positions per inner step, warps, pipeline stages: one setting for all shapes, within 3% of the
 # best of a sweep (bench/decode_profile.py --sweep, H200, LLaMA-3.1-8B and Qwen3-1.7B shapes,
-# contexts 320-8K) at batch 1, 64 and 256, and 16% at batch 16 (see BENCHMARKS.md).
+# contexts 320-8K) at batch 1, 64 and 256, and 13% at batch 16 x 1K (see BENCHMARKS.md).
 BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 4, 2
 # Programs resident on an SM at these settings (two stages of a 64 x 128 K and V tile in bf16 take
 # 64 KB of its 228 KB of shared memory): the splits fill one wave of them, and no more.
