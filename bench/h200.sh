@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The single-GPU benchmarks of BENCHMARKS.md, in four parts that each fit a 10-minute window:
-#   bench/h200.sh OUT a   the decode products (cuBLAS, cuBLASLt, the one-row kernel) and generation
-#                         (parity of the fast path, decode attention, the engine against its roofline
-#                         and transformers)
+# The single-GPU benchmarks of BENCHMARKS.md, in five parts that each fit a 10-minute window:
+#   bench/h200.sh OUT a   the decode products under cuBLAS and cuBLASLt and decode attention's split
+#                         counts at batch 1 and 16; generation (parity of the fast path, decode
+#                         attention, the engine against its roofline and transformers)
 #   bench/h200.sh OUT b   one GRPO iteration against TRL, and the training log-probabilities
 #   bench/h200.sh OUT c   the GRPO training call with its kernel profile, and where a decode step goes
 #                         (LLaMA-3.1-8B shape, and the GRPO iteration's groups on the Qwen3 shape)
