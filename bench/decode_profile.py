@@ -225,25 +225,30 @@ def main() -> None:
             (out / "decode_profile.json").write_text(json.dumps(result, indent=2))  # kept if cut short
     (out / "decode_profile.json").write_text(json.dumps(result, indent=2))
     if device.type == "cuda":
-        knobs = (ENGINE_KNOBS[0], ENGINE_KNOBS[2], ENGINE_KNOBS[3])
-        for batch, context in sorted({(r["batch"], r["context"]) for r in result["attention"]}):
-            ok = [r for r in result["attention"] if r["batch"] == batch and r["context"] == context and "us" in r]
-            best = min(ok, key=lambda r: r["us"])
-            picked = next(r for r in ok if r["picked"] and (r["block"], r["warps"], r["stages"]) == knobs)
-            by_splits = " ".join(f"{r['splits']}:{r['us']:.1f}" for r in ok if (r["block"], r["warps"], r["stages"]) == knobs)
-            print(f"attention b{batch} ctx{context}: picked {picked['splits']} splits {picked['us']:.1f} us "
-                  f"({picked['gbps']:.0f} GB/s); best {best['us']:.1f} us (block {best['block']} warps {best['warps']} "
-                  f"stages {best['stages']} splits {best['splits']}); us by splits {by_splits}")
-        for r in result["linear"]:
-            print(f"linear {r['weight']:>14} b{r['batch']:<3} {r['library']:>8} {r['us']:8.1f} us {r['gbps']:6.0f} GB/s")
-        for r in result["sampler"]:
-            print(f"sampler b{r['batch']:<3} {r['mode']:>6} {r['us']:8.1f} us ({r['gbps']:5.0f} GB/s of bf16 logits), "
-                  f"torch ops compiled {r['torch_us']:8.1f} us; same tokens {r['same_tokens']}, "
-                  f"log-probs within {r['max_logprob_diff']:.1e}")
-        for key, rows in result["profile"].items():
-            print(f"-- {key}: top kernels (us per step)")
-            for r in rows:
-                print(f"   {r['us_per_step']:8.1f} {100 * r['share']:5.1f}% x{r['calls'] // 10:<4} {r['name']}")
+        print_summary(result)
+
+
+def print_summary(result: dict) -> None:
+    """The measurements of ``result`` (as written to decode_profile.json), one line each."""
+    knobs = (ENGINE_KNOBS[0], ENGINE_KNOBS[2], ENGINE_KNOBS[3])
+    for batch, context in sorted({(r["batch"], r["context"]) for r in result["attention"]}):
+        ok = [r for r in result["attention"] if r["batch"] == batch and r["context"] == context and "us" in r]
+        best = min(ok, key=lambda r: r["us"])
+        picked = next(r for r in ok if r["picked"] and (r["block"], r["warps"], r["stages"]) == knobs)
+        by_splits = " ".join(f"{r['splits']}:{r['us']:.1f}" for r in ok if (r["block"], r["warps"], r["stages"]) == knobs)
+        print(f"attention b{batch} ctx{context}: picked {picked['splits']} splits {picked['us']:.1f} us "
+              f"({picked['gbps']:.0f} GB/s); best {best['us']:.1f} us (block {best['block']} warps {best['warps']} "
+              f"stages {best['stages']} splits {best['splits']}); us by splits {by_splits}")
+    for r in result["linear"]:
+        print(f"linear {r['weight']:>14} b{r['batch']:<3} {r['library']:>8} {r['us']:8.1f} us {r['gbps']:6.0f} GB/s")
+    for r in result["sampler"]:
+        print(f"sampler b{r['batch']:<3} {r['mode']:>6} {r['us']:8.1f} us ({r['gbps']:5.0f} GB/s of bf16 logits), "
+              f"torch ops compiled {r['torch_us']:8.1f} us; same tokens {r['same_tokens']}, "
+              f"log-probs within {r['max_logprob_diff']:.1e}")
+    for key, rows in result["profile"].items():
+        print(f"-- {key}: top kernels (us per step)")
+        for r in rows:
+            print(f"   {r['us_per_step']:8.1f} {100 * r['share']:5.1f}% x{r['calls'] // 10:<4} {r['name']}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Each benchmark's CPU mode runs to the end and writes its JSON, so that a script broken by a
-change is found here rather than on a GPU machine. (The figures are not checked: on a CPU they
-mean nothing; bench/ and BENCHMARKS.md hold the measured ones.)"""
+change is found here rather than on a GPU machine; decode_profile's attention sweep, which only
+GPUs run, goes through Triton's interpreter. (The figures are not checked: on a CPU they mean
+nothing; bench/ and BENCHMARKS.md hold the measured ones.)"""
 
 from __future__ import annotations
 
@@ -34,3 +35,27 @@ def test_benchmark_runs_on_cpu(script, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
     assert isinstance(json.loads((tmp_path / written).read_text()), dict)
+
+
+def check_decode_profile_summary() -> None:
+    """The attention sweep (in the interpreter) and the summary printed from it, on a case whose
+    split count is capped by the cache's blocks (128 positions + the new one: 3 blocks of 64)."""
+    sys.path.insert(0, str(BENCH))
+    import decode_profile as dp
+    from generation import TINY, llama_config
+
+    import torch
+
+    rows = dp.attention_sweep(torch.device("cpu"), llama_config(TINY), [(1, 128)], torch.float32)
+    assert any(r["picked"] for r in rows) and not any("error" in r for r in rows)
+    dp.print_summary({"attention": rows, "linear": [], "sampler": [], "profile": {}})
+
+
+def test_decode_profile_sweep_and_summary_in_the_interpreter():
+    pytest.importorskip("triton")
+    code = "import test_bench_smoke as t; t.check_decode_profile_summary(); print('checked')"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "checked" in done.stdout and "attention b1 ctx128: picked" in done.stdout, \
+        done.stderr[-4000:]
