@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -43,8 +44,6 @@ def check_decode_profile_summary() -> None:
     sys.path.insert(0, str(BENCH))
     import decode_profile as dp
     from generation import TINY, llama_config
-
-    import torch
 
     rows = dp.attention_sweep(torch.device("cpu"), llama_config(TINY), [(1, 128)], torch.float32)
     assert any(r["picked"] for r in rows) and not any("error" in r for r in rows)
