@@ -5,7 +5,7 @@
 
 In one run, on one device:
 1. HBM bandwidth, measured with a large device copy (bytes read + written per second);
-2. a parity check on a tiny random model: the fast path (CUDA graphs, Triton decode attention,
+2. a parity check on tiny random LLaMA and Qwen3 models: the fast path (CUDA graphs, Triton decode attention,
    torch.compile unless --no-compile) against the plain path (eager, torch attention) on the same
    device, greedy: float32 tokens must be identical; in bfloat16 every fast-path token must be the
    plain path's argmax up to bf16 rounding (a top-2 margin below BF16_TIE counts as a tie); and
@@ -39,7 +39,7 @@ from shardflow.engine.generate import Engine, EngineConfig  # noqa: E402
 from shardflow.engine.kv_cache import bytes_per_slot  # noqa: E402
 from shardflow.engine.requests import SamplingParams, make_requests  # noqa: E402
 from shardflow.models.config import ModelConfig  # noqa: E402
-from shardflow.models.transformer import build_model  # noqa: E402
+from shardflow.models.transformer import QKPrep, RMSNorm, build_model  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.parallel.sharding import shard_for  # noqa: E402
 
@@ -129,11 +129,14 @@ def parity_check(device: torch.device, compile_: bool, compile_mode: str = "defa
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
     results = {}
+    # LLaMA greedy and sampled; Qwen3 (q/k norms, which the decode attention applies) greedy
+    runs = [("llama", dtype, (0.0, 1.0)) for dtype in (torch.float32, torch.bfloat16)]
+    runs += [("qwen3", dtype, (0.0,)) for dtype in (torch.float32, torch.bfloat16)]
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_checkpoint(Path(tmp) / "tiny", "llama")
-        for dtype in (torch.float32, torch.bfloat16):
+        for family, dtype, temperatures in runs:
+            path = make_tiny_checkpoint(Path(tmp) / family, family)
             model, _ = load_model(path, Layout((0,)), world, dtype=dtype)
-            for temperature in (0.0, 1.0):  # greedy, then sampled with per-request seeds
+            for temperature in temperatures:  # greedy, then sampled with per-request seeds
                 params = SamplingParams(max_new_tokens=48, temperature=temperature, seed=7, ignore_eos=True)
                 outputs, seeds = {}, None
                 for name, options in (("plain", plain), ("fast", fast)):
@@ -146,8 +149,9 @@ def parity_check(device: torch.device, compile_: bool, compile_mode: str = "defa
                 worst = worst_margin(model, prompts, outputs["fast"], seeds, temperature)
                 ok = same == total if dtype == torch.float32 else worst <= BF16_TIE
                 key = f"{str(dtype).removeprefix('torch.')} {'greedy' if temperature == 0 else 'sampled'}"
+                key = key if family == "llama" else f"{family} {key}"
                 results[key] = dict(identical_tokens=same, tokens=total, worst_argmax_margin=worst, ok=ok)
-            if dtype == torch.float32:
+            if dtype == torch.float32 and family == "llama":
                 results["float32 sampled, shrinking batch"] = shrinking_parity(model, plain, fast)
             del model
     return results
@@ -204,21 +208,35 @@ def worst_margin(model, prompts: list[list[int]], completions: list[list[int]], 
 
 # ----- the decode attention kernel alone ------------------------------------------------------------
 
+def attention_inputs(cfg: ModelConfig, batch: int, context: int, device: torch.device,
+                     dtype: torch.dtype) -> tuple[tuple, int]:
+    """One decode attention call as the engine makes it (see ``decode_attention``): ``batch`` rows
+    of ``context`` positions, the last one the new token, with the model's q/k norms if it has
+    them; the arguments and the bytes of keys and values the call reads or writes."""
+    kv_heads, d = cfg.num_kv_heads, cfg.head_dim
+    k_cache = torch.randn(batch + 1, kv_heads, context, d, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, cfg.num_heads, d, device=device, dtype=dtype)
+    k, v = (torch.randn(batch, kv_heads, d, device=device, dtype=dtype) for _ in range(2))
+    angle = torch.rand(batch, 1, d, device=device)
+    norms = [RMSNorm(d, cfg.rms_norm_eps).to(device, dtype) for _ in range(2)] if cfg.qk_norm else [None, None]
+    for norm in filter(None, norms):
+        torch.nn.init.ones_(norm.weight)
+    prep = QKPrep(angle.cos().to(dtype), angle.sin().to(dtype), *norms)
+    slots = torch.arange(batch, device=device)
+    lengths = torch.full((batch,), context, device=device)
+    return (q, k, v, prep, k_cache, v_cache, slots, lengths, None), 2 * k_cache[:batch].nbytes
+
+
 def bench_attention(cfg: ModelConfig, device: torch.device, cases: list[tuple[int, int]], bandwidth: float) -> list:
     rows = []
     attention = ATTENTION["triton" if device.type == "cuda" else "torch"]
-    kv_heads, d = cfg.num_kv_heads, cfg.head_dim
     for batch, context in cases:
-        k = torch.randn(batch + 1, kv_heads, context, d, device=device, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        q = torch.randn(batch, cfg.num_heads, d, device=device, dtype=torch.bfloat16)
-        slots = torch.arange(batch, device=device)
-        lengths = torch.full((batch,), context, device=device)
-        seconds = kernel_timed(lambda: attention(q, k, v, slots, lengths, None), device)
-        nbytes = 2 * batch * kv_heads * context * d * 2
+        args, nbytes = attention_inputs(cfg, batch, context, device, torch.bfloat16)
+        seconds = kernel_timed(lambda: attention(*args), device)
         rows.append(dict(batch=batch, context=context, us=seconds * 1e6, gb_per_s=nbytes / seconds / 1e9,
                          fraction_of_bandwidth=nbytes / seconds / bandwidth))
-        del k, v
+        del args
     return rows
 
 

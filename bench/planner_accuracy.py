@@ -118,15 +118,18 @@ class StaticCache:
         self.slots = torch.arange(batch, device=device)
         self.decode = ATTENTION["triton" if torch.device(device).type == "cuda" else "torch"]
 
-    def attend(self, layer: int, q, k, v):
-        B, T = q.shape[0], q.shape[2]
-        self.k[layer][:, :, self.pos:self.pos + T] = k
-        self.v[layer][:, :, self.pos:self.pos + T] = v
+    def attend(self, layer: int, q, k, v, prep):
+        B, T = q.shape[0], q.shape[1]
         if T == 1:  # a decode step: the engine's decode attention, as the profile times it
             lengths = torch.full((B,), self.pos + 1, device=q.device)
-            return self.decode(q[:, :, 0], self.k[layer], self.v[layer], self.slots, lengths, None)[:, :, None]
+            return self.decode(q[:, 0], k[:, 0], v[:, 0], prep, self.k[layer], self.v[layer], self.slots, lengths,
+                               None)[:, None]
+        q, k = prep(q, k)
+        self.k[layer][:, :, self.pos:self.pos + T] = k.transpose(1, 2)
+        self.v[layer][:, :, self.pos:self.pos + T] = v.transpose(1, 2)
         keys, values = self.k[layer][:, :, :self.pos + T], self.v[layer][:, :, :self.pos + T]
-        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=self.gqa)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True, enable_gqa=self.gqa)
+        return out.transpose(1, 2)
 
 
 def measure_generate(model, cfg, batch, prompt, new, device, dtype) -> float:
