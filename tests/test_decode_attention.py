@@ -70,7 +70,7 @@ def check_kernel(device: str = "cpu", repeats: int = 1) -> None:
                 # the new keys and values, and nothing else, written into the caches
                 torch.testing.assert_close(got_k.float().cpu(), want_k, atol=atol, rtol=0, msg=what)
                 torch.testing.assert_close(got_v.float().cpu(), want_v, atol=0, rtol=0, msg=what)
-                assert not _COUNTERS[device][-1].any(), f"split counters left set: {what}"
+                assert not _COUNTERS[inputs[0].device][-1].any(), f"split counters left set: {what}"
 
 
 def check_engine(path: str) -> None:

@@ -18,6 +18,10 @@ def compiled_or_eager(fn: F, what: str, **compile_options) -> F:
     """``torch.compile(fn)``; if a call of the compiled version raises, warn naming ``what`` and
     the error, then run ``fn`` itself for this call and every later one. An error that is not the
     compiler's raises again from the eager call."""
+    # Past dynamo's recompile limit (8 by default, per code object) new variants run eager with only
+    # a log line: every engine of a process (models, dtypes, batch buckets, sampling modes) shares
+    # the one code object of its step.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = torch.compile(fn, **compile_options)
     failed = False
 
