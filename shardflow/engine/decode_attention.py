@@ -94,22 +94,25 @@ if triton is not None:
         return (x * cos + sign * x_rot * sin).to(DTYPE)
 
     @triton.jit
-    def _merge(Max, Sum, a_ptr, m_ptr, o_ptr, stride_as, mask_h, mask_hd, SPLITS: tl.constexpr,
-               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Combine the splits' partial results (``a_ptr`` [BLOCK_H, BLOCK_D] pointers of split 0)
-        by their log-sum-exp into ``o_ptr``. Loads bypass L1: other SMs wrote them."""
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for s in tl.static_range(SPLITS):
-            m = tl.maximum(m, tl.load(Max + m_ptr + s, mask=mask_h, other=float("-inf"), cache_modifier=".cg"))
-        m = tl.where(mask_h, m, 0.0)  # the group's padding rows: no -inf - -inf
-        total = tl.zeros([BLOCK_H], tl.float32)
-        out = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for s in tl.static_range(SPLITS):  # empty splits have max -inf: weight 0
-            w = tl.exp2(tl.load(Max + m_ptr + s, mask=mask_h, other=float("-inf"), cache_modifier=".cg") - m)
-            total += w * tl.load(Sum + m_ptr + s, mask=mask_h, other=0.0, cache_modifier=".cg")
-            out += w[:, None] * tl.load(a_ptr + s * stride_as, mask=mask_hd, other=0.0, cache_modifier=".cg")
-        total = tl.where(mask_h, total, 1.0)
-        tl.store(o_ptr, (out / total[:, None]).to(o_ptr.dtype.element_ty), mask=mask_hd)
+    def _merge(Acc, Max, Sum, Out, b, kvh, stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob,
+               stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+        """Combine the splits' partial results of the group's heads by their log-sum-exp, one head
+        at a time over a [splits, d] tile. Loads bypass L1: other SMs wrote them."""
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_s = offs_s < SPLITS
+        mask_d = offs_d < HEAD_DIM
+        for g in tl.static_range(GROUP):
+            h = kvh * GROUP + g
+            m_ptr = Max + b * stride_mb + h * stride_mh + offs_s
+            m = tl.load(m_ptr, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
+            total = tl.load(Sum + b * stride_mb + h * stride_mh + offs_s, mask=mask_s, other=0.0, cache_modifier=".cg")
+            acc = tl.load(Acc + b * stride_ab + h * stride_ah + offs_s[:, None] * stride_as + offs_d[None, :],
+                          mask=mask_s[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
+            w = tl.exp2(m - tl.max(m, 0))  # empty splits have max -inf: weight 0
+            out = tl.sum(acc * w[:, None], 0) / tl.sum(total * w, 0)
+            tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
 
     @triton.jit
     def _decode_kernel(Q, KNew, VNew, Cos, Sin, QW, KW, K, V, Slots, Lengths, Acc, Max, Sum, Count, Out,
@@ -118,7 +121,7 @@ if triton is not None:
                        stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
                        scale_log2, window, eps,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, NORM: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
                        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -201,8 +204,8 @@ if triton is not None:
             acc = acc * alpha[:, None] + p.to(dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
             m_i = m_new
 
-        o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         if SPLITS == 1:  # nothing to merge: the output itself
+            o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
             tl.store(o_ptr, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_hd)
         else:
             a_ptr = Acc + b * stride_ab + heads[:, None] * stride_ah + offs_d[None, :]
@@ -216,7 +219,8 @@ if triton is not None:
             tl.debug_barrier()
             counter = Count + b * tl.num_programs(1) + kvh
             if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
-                _merge(Max, Sum, a_ptr, m_ptr, o_ptr, stride_as, mask_h, mask_hd, SPLITS, BLOCK_H, BLOCK_D)
+                _merge(Acc, Max, Sum, Out, b, kvh, stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob,
+                       stride_oh, GROUP, HEAD_DIM, SPLITS, BLOCK_S, BLOCK_D)
                 tl.atomic_xchg(counter, 0)
 
 
@@ -274,7 +278,8 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         out.stride(0), out.stride(1),
         (1.0 / math.sqrt(d)) * math.log2(math.e), window or 0, eps,
         GROUP=group, HEAD_DIM=d, SPLITS=splits, NORM=norm, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK=block, PRECISION=precision, UPCAST=q.device.type != "cuda",
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK=block, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        PRECISION=precision, UPCAST=q.device.type != "cuda",
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
