@@ -27,15 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from generation import (  # noqa: E402
-    LLAMA_8B,
-    TINY,
-    attention_inputs,
-    kernel_timed,
-    llama_config,
-    measure_bandwidth,
-    random_model,
-)
+from generation import LLAMA_8B, TINY, kernel_timed, llama_config, measure_bandwidth, random_model  # noqa: E402
 from iteration import QWEN3_1_7B  # noqa: E402
 
 from shardflow.engine.decode_attention import (  # noqa: E402
@@ -46,7 +38,6 @@ from shardflow.engine.decode_attention import (  # noqa: E402
     PROGRAMS_PER_SM,
     decode_attention_triton,
     num_splits,
-    prep_tensors,
 )
 from shardflow.engine.generate import Engine, EngineConfig  # noqa: E402
 from shardflow.engine.requests import SamplingParams, make_requests  # noqa: E402
@@ -71,15 +62,19 @@ def model_config(name: str):
 def attention_sweep(device, cfg, cases, dtype) -> list[dict]:
     """Per batch x context case: the split count at the engine's knobs (1 to 32 splits, and what
     ``num_splits`` picks), then the other knobs at the picked split count; microseconds per call
-    of 20 calls in one CUDA graph (no launch overhead)."""
-    kv = cfg.num_kv_heads
+    of 20 calls in one CUDA graph (no launch overhead), split and merge kernels together."""
+    kv, d = cfg.num_kv_heads, cfg.head_dim
+    heads = cfg.num_heads
     block, _, warps, stages = ENGINE_KNOBS
     rows = []
     for batch, context in cases:
-        (q, k, v, prep, k_cache, v_cache, slots, lengths, _), nbytes = attention_inputs(cfg, batch, context, device,
-                                                                                         dtype)
-        args = (q, k, v, *prep_tensors(prep), k_cache, v_cache, slots, lengths, None)
-        picked = num_splits(batch, kv, context, device)
+        k = torch.randn(batch + 1, kv, context + 1, d, dtype=dtype, device=device)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, heads, d, dtype=dtype, device=device)
+        slots = torch.arange(batch, device=device)
+        lengths = torch.full((batch,), context, device=device)
+        nbytes = 2 * batch * kv * context * d * k.element_size()
+        picked = num_splits(batch, kv, context + 1, device)
         most = min(MAX_SPLITS, -(-context // block))
         grid = [(block, warps, stages, n) for n in sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if n <= most}
                                                           | {picked})]
@@ -88,13 +83,13 @@ def attention_sweep(device, cfg, cases, dtype) -> list[dict]:
         for b, w, st, n in grid:
             row = dict(batch=batch, context=context, block=b, warps=w, stages=st, splits=n, picked=n == picked)
             try:
-                seconds = kernel_timed(lambda: decode_attention_triton(*args, block=b, num_warps=w, num_stages=st,
-                                                                       splits=n), device)
+                seconds = kernel_timed(lambda: decode_attention_triton(q, k, v, slots, lengths, None, block=b,
+                                                                       num_warps=w, num_stages=st, splits=n), device)
             except Exception as e:  # noqa: BLE001 - a config may not compile (shared memory)
                 rows.append(row | dict(error=str(e)[:200]))
                 continue
             rows.append(row | dict(us=seconds * 1e6, gbps=nbytes / seconds / 1e9))
-        del args, k_cache, v_cache
+        del k, v
     return rows
 
 

@@ -39,7 +39,7 @@ from shardflow.engine.generate import Engine, EngineConfig  # noqa: E402
 from shardflow.engine.kv_cache import bytes_per_slot  # noqa: E402
 from shardflow.engine.requests import SamplingParams, make_requests  # noqa: E402
 from shardflow.models.config import ModelConfig  # noqa: E402
-from shardflow.models.transformer import QKPrep, RMSNorm, build_model  # noqa: E402
+from shardflow.models.transformer import build_model  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.parallel.sharding import shard_for  # noqa: E402
 
@@ -129,7 +129,7 @@ def parity_check(device: torch.device, compile_: bool, compile_mode: str = "defa
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
     results = {}
-    # LLaMA greedy and sampled; Qwen3 (q/k norms, which the decode attention applies) greedy
+    # LLaMA greedy and sampled; Qwen3 (q/k norms, the GRPO benchmark's family) greedy
     runs = [("llama", dtype, (0.0, 1.0)) for dtype in (torch.float32, torch.bfloat16)]
     runs += [("qwen3", dtype, (0.0,)) for dtype in (torch.float32, torch.bfloat16)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -208,35 +208,21 @@ def worst_margin(model, prompts: list[list[int]], completions: list[list[int]], 
 
 # ----- the decode attention kernel alone ------------------------------------------------------------
 
-def attention_inputs(cfg: ModelConfig, batch: int, context: int, device: torch.device,
-                     dtype: torch.dtype) -> tuple[tuple, int]:
-    """One decode attention call as the engine makes it (see ``decode_attention``): ``batch`` rows
-    of ``context`` positions, the last one the new token, with the model's q/k norms if it has
-    them; the arguments and the bytes of keys and values the call reads or writes."""
-    kv_heads, d = cfg.num_kv_heads, cfg.head_dim
-    k_cache = torch.randn(batch + 1, kv_heads, context, d, device=device, dtype=dtype)
-    v_cache = torch.randn_like(k_cache)
-    q = torch.randn(batch, cfg.num_heads, d, device=device, dtype=dtype)
-    k, v = (torch.randn(batch, kv_heads, d, device=device, dtype=dtype) for _ in range(2))
-    angle = torch.rand(batch, 1, d, device=device)
-    norms = [RMSNorm(d, cfg.rms_norm_eps).to(device, dtype) for _ in range(2)] if cfg.qk_norm else [None, None]
-    for norm in filter(None, norms):
-        torch.nn.init.ones_(norm.weight)
-    prep = QKPrep(angle.cos().to(dtype), angle.sin().to(dtype), *norms)
-    slots = torch.arange(batch, device=device)
-    lengths = torch.full((batch,), context, device=device)
-    return (q, k, v, prep, k_cache, v_cache, slots, lengths, None), 2 * k_cache[:batch].nbytes
-
-
 def bench_attention(cfg: ModelConfig, device: torch.device, cases: list[tuple[int, int]], bandwidth: float) -> list:
     rows = []
     attention = ATTENTION["triton" if device.type == "cuda" else "torch"]
+    kv_heads, d = cfg.num_kv_heads, cfg.head_dim
     for batch, context in cases:
-        args, nbytes = attention_inputs(cfg, batch, context, device, torch.bfloat16)
-        seconds = kernel_timed(lambda: attention(*args), device)
+        k = torch.randn(batch + 1, kv_heads, context, d, device=device, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, cfg.num_heads, d, device=device, dtype=torch.bfloat16)
+        slots = torch.arange(batch, device=device)
+        lengths = torch.full((batch,), context, device=device)
+        seconds = kernel_timed(lambda: attention(q, k, v, slots, lengths, None), device)
+        nbytes = 2 * batch * kv_heads * context * d * 2
         rows.append(dict(batch=batch, context=context, us=seconds * 1e6, gb_per_s=nbytes / seconds / 1e9,
                          fraction_of_bandwidth=nbytes / seconds / bandwidth))
-        del args
+        del k, v
     return rows
 
 

@@ -118,18 +118,15 @@ class StaticCache:
         self.slots = torch.arange(batch, device=device)
         self.decode = ATTENTION["triton" if torch.device(device).type == "cuda" else "torch"]
 
-    def attend(self, layer: int, q, k, v, prep):
-        B, T = q.shape[0], q.shape[1]
+    def attend(self, layer: int, q, k, v):
+        B, T = q.shape[0], q.shape[2]
+        self.k[layer][:, :, self.pos:self.pos + T] = k
+        self.v[layer][:, :, self.pos:self.pos + T] = v
         if T == 1:  # a decode step: the engine's decode attention, as the profile times it
             lengths = torch.full((B,), self.pos + 1, device=q.device)
-            return self.decode(q[:, 0], k[:, 0], v[:, 0], prep, self.k[layer], self.v[layer], self.slots, lengths,
-                               None)[:, None]
-        q, k = prep(q, k)
-        self.k[layer][:, :, self.pos:self.pos + T] = k.transpose(1, 2)
-        self.v[layer][:, :, self.pos:self.pos + T] = v.transpose(1, 2)
+            return self.decode(q[:, :, 0], self.k[layer], self.v[layer], self.slots, lengths, None)[:, :, None]
         keys, values = self.k[layer][:, :, :self.pos + T], self.v[layer][:, :, :self.pos + T]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True, enable_gqa=self.gqa)
-        return out.transpose(1, 2)
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=self.gqa)
 
 
 def measure_generate(model, cfg, batch, prompt, new, device, dtype) -> float:

@@ -27,12 +27,12 @@ def bytes_per_slot(shard: RankShard, cfg: ModelConfig, max_len: int, dtype: torc
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store k, v [B, T, kv_heads, d] into caches [S, kv_heads, M, d] at rows ``slots`` [B] and
+    """Store k, v [B, kv_heads, T, d] into caches [S, kv_heads, M, d] at rows ``slots`` [B] and
     ``positions`` [B, T]."""
     # Indices on dims 0 and 2 around a slice: the indexed view is [B, T, kv_heads, d].
     rows = slots[:, None].expand_as(positions)
-    k_cache[rows, :, positions] = k
-    v_cache[rows, :, positions] = v
+    k_cache[rows, :, positions] = k.transpose(1, 2)
+    v_cache[rows, :, positions] = v.transpose(1, 2)
 
 
 class KVCache:
@@ -122,7 +122,7 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
-        """Store k, v [B, T, kv_heads, d] of rows ``slots`` [B] at ``positions`` [B, T]."""
+        """Store k, v [B, kv_heads, T, d] of rows ``slots`` [B] at ``positions`` [B, T]."""
         write_kv(self.k[layer], self.v[layer], slots, positions, k, v)
 
     def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:

@@ -3,8 +3,8 @@
 - ``prefill_logits``: right-padded prompts (or prompt + generated tokens, to recompute a moved
   request's cache) in one forward; keys and values of every position go into the requests' slots,
   attention is plain causal attention over the fresh keys.
-- ``decode_logits``: one new token per request; the decode attention writes its key and value
-  into the slot at its position and attends over the slot's valid positions.
+- ``decode_logits``: one new token per request; its key and value go into the slot at its
+  position, then it attends over the slot's valid positions.
 
 Both return this rank's vocabulary slice of the logits; the model's own tp collectives (two
 all-reduces per layer and one for the embedding) are the only communication.
@@ -17,10 +17,9 @@ from typing import Callable
 import torch
 
 from shardflow.engine.kv_cache import KVCache
-from shardflow.models.transformer import QKPrep, Transformer, causal_attention
+from shardflow.models.transformer import Transformer, causal_attention
 
-# attention(q [B,H,d], k [B,K,d], v [B,K,d], prep, k_cache, v_cache, slots [B], lengths [B], window)
-# -> [B,H,d]: writes the new k and v at lengths - 1, attends over [0, lengths); see decode_attention
+# attention(q [B,H,d], k_cache, v_cache, slots [B], lengths [B], window) -> [B,H,d]
 DecodeAttention = Callable[..., torch.Tensor]
 
 
@@ -31,10 +30,9 @@ def prefill_logits(model: Transformer, cache: KVCache, ids: torch.Tensor, length
     positions = torch.arange(T, device=ids.device).expand(G, T)
     windows = model.cfg.sliding_windows
 
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: QKPrep) -> torch.Tensor:
-        q, k = prep(q, k)  # [B,T,heads,d]
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache.write(layer, slots, positions, k, v)  # padding positions too; decode overwrites them
-        return causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), windows[layer]).transpose(1, 2)
+        return causal_attention(q, k, v, windows[layer])
 
     hidden = model(ids, positions, attend)  # [G,T,H]
     last = hidden[torch.arange(G, device=ids.device), lengths - 1]  # [G,H]
@@ -50,11 +48,11 @@ def decode_logits(model: Transformer, cache: KVCache, attention: DecodeAttention
     lengths = positions + 1  # valid positions once this token's K/V are written
     windows = model.cfg.sliding_windows
 
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: QKPrep) -> torch.Tensor:
-        # q [B,1,H,d], k/v [B,1,K,d] as projected; the attention writes k and v into the cache
-        out = attention(q[:, 0], k[:, 0], v[:, 0], prep, cache.k[layer], cache.v[layer], slots, lengths,
-                        windows[layer])
-        return out[:, None]
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [B,H,1,d], k/v [B,K,1,d]
+        cache.write(layer, slots, positions[:, None], k, v)
+        out = attention(q[:, :, 0], cache.k[layer], cache.v[layer], slots, lengths, windows[layer])
+        return out[:, :, None]
 
     hidden = model(tokens[:, None], positions[:, None], attend)  # [B,1,H]
     return model.logits(hidden[:, 0])

@@ -12,7 +12,7 @@ V local vocabulary rows.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,9 @@ from shardflow.parallel.sharding import RankShard
 from shardflow.parallel.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
 from shardflow.parallel.token_stats import token_logprobs_and_entropy
 
+# attend(layer_index, q [B,h,T,d], k [B,k,T,d], v [B,k,T,d]) -> [B,h,T,d]. The generation engine
+# passes one that reads and writes its KV cache; None means plain causal self-attention.
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -44,29 +47,6 @@ class RMSNorm(nn.Module):
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
-
-
-class QKPrep(NamedTuple):
-    """What turns a layer's projected q and k into attention inputs: the per-head RMSNorm of q and
-    k (Qwen3; None elsewhere), then the rotary embedding at each token's position. Attention
-    hooks get it with the raw q and k, so that a decode kernel can do both itself."""
-    cos: torch.Tensor  # [B,T,d]
-    sin: torch.Tensor  # [B,T,d]
-    q_norm: RMSNorm | None
-    k_norm: RMSNorm | None
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [B,T,h,d], k [B,T,k,d] -> both normed (where the model norms them) and rotated."""
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.cos.unsqueeze(2), self.sin.unsqueeze(2)  # [B,T,1,d]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-# attend(layer_index, q [B,T,h,d], k [B,T,k,d], v [B,T,k,d], prep) -> [B,T,h,d], with q and k as
-# projected (``prep`` makes them attention inputs). The generation engine passes one that reads and
-# writes its KV cache; None means plain causal self-attention.
-AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, QKPrep], torch.Tensor]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -111,14 +91,18 @@ class Attention(nn.Module):
         q = q.reshape(B, T, self.num_heads, self.head_dim)
         k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
         v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
-        prep = QKPrep(cos, sin, self.q_norm, self.k_norm)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B,T,1,d]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,heads,T,d]
         if attend is None:
-            q, k = prep(q, k)
-            out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.window)
-            out = out.transpose(1, 2)  # [B,T,h,d]
+            out = causal_attention(q, k, v, self.window)
         else:
-            out = attend(self.layer, q, k, v, prep)
-        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+            out = attend(self.layer, q, k, v)
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):

@@ -29,6 +29,7 @@ import torch
 
 from shardflow.engine.compile_fallback import compiled_or_eager
 from shardflow.engine.decode_attention import ATTENTION
+from shardflow.engine.kv_cache import write_kv
 from shardflow.models.config import ModelConfig
 from shardflow.models.transformer import Transformer, build_model
 from shardflow.parallel.layout import Layout
@@ -116,12 +117,13 @@ def one_layer_model(cfg: ModelConfig, tp: int, device: torch.device, dtype: torc
 def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, attention, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One decoder layer of a decode step as the engine runs it (see ``steps.decode_logits``): the
-    decode attention writes the new token's key and value into each request's slot at its position
-    and attends over the slot. x [B,1,H]; caches [S, kv heads, M, d]; slots, positions [B]."""
+    new token's key and value go into each request's slot at its position, then it attends over the
+    slot. x [B,1,H]; caches [S, kv heads, M, d]; slots, positions [B]."""
     lengths = positions + 1
 
-    def attend(_layer: int, q, k, v, prep):
-        return attention(q[:, 0], k[:, 0], v[:, 0], prep, k_cache, v_cache, slots, lengths, None)[:, None]
+    def attend(_layer: int, q, k, v):
+        write_kv(k_cache, v_cache, slots, positions[:, None], k, v)
+        return attention(q[:, :, 0], k_cache, v_cache, slots, lengths, None)[:, :, None]
 
     return layer(x, cos, sin, attend)
 
