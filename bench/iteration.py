@@ -8,8 +8,10 @@ tokens (EOS ignored), one optimizer step per iteration, no KL term (TRL's defaul
 rule reward that varies within groups. Both systems run in their own process, one after the other.
 Reported: seconds per iteration (median after the first, which includes warm-up), shardflow's
 time per phase, and each phase's roofline from the measured HBM bandwidth and matrix rate:
-  generation: sum over decode steps of max(bytes read / bandwidth, FLOPs / matrix rate),
-  training:   6 x (matrix parameters) x tokens / matrix rate (forward + backward).
+  generation: sum over decode steps of max(bytes read / bandwidth, FLOPs / matrix rate), plus
+              each prompt's prefill once (a group's samples share it);
+  training:   6 x (layer matrix parameters x tokens + LM head x response tokens) / matrix rate
+              (forward + backward; log-probabilities are needed at response tokens only).
 Prints a table and writes ``iteration.json`` to ``--out``.
 """
 
@@ -129,18 +131,21 @@ def rooflines(shape: dict, workload: dict, bandwidth: float, flops: float) -> di
     hf = Qwen3Config(**shape)
     hf.architectures = ["Qwen3ForCausalLM"]
     cfg = ModelConfig.from_hf_dict(hf.to_dict())
-    matrix = cfg.num_layers * cfg.layer_params() + cfg.vocab_size * cfg.hidden_size  # layers + LM head
+    layers = cfg.num_layers * cfg.layer_params()  # matrix parameters of the layers
+    head = cfg.vocab_size * cfg.hidden_size  # the LM head's
     weight_bytes = 2 * cfg.num_params()
-    batch = workload["prompts"] * workload["samples_per_prompt"]
+    prompts, batch = workload["prompts"], workload["prompts"] * workload["samples_per_prompt"]
     prompt, response = workload["prompt_tokens"], workload["response_tokens"]
     kv_token = cfg.kv_bytes_per_token(2)
     generation = 0.0
     for step in range(response):
         read = weight_bytes + batch * (prompt + step) * kv_token
-        generation += max(read / bandwidth, 2 * matrix * batch / flops)
-    prefill = 2 * matrix * batch * prompt / flops
-    tokens = batch * (prompt + response)
-    return {"generation_s": generation + prefill, "training_s": 6 * matrix * tokens / flops,
+        generation += max(read / bandwidth, 2 * (layers + head) * batch / flops)
+    # What is needed, no more: a group's samples share their prompt's prefill, which needs the
+    # head's logits at its last token only; training needs the head at response tokens only.
+    prefill = 2 * (layers * prompts * prompt + head * batch) / flops
+    training = 6 * (layers * batch * (prompt + response) + head * batch * response) / flops
+    return {"generation_s": generation + prefill, "training_s": training,
             "bandwidth_gb_s": bandwidth / 1e9, "matrix_tflops": flops / 1e12}
 
 

@@ -79,3 +79,37 @@ def test_inference_refuses_what_the_model_cannot_produce(checkpoints):
     model, _ = load_model(checkpoints.get("llama", "llama"), Layout((0,)), world)
     with pytest.raises(ValueError, match="a language model produces logprobs or entropy, not 'values'"):
         infer(model, Layout((0,)), world, make_batch(128), "values", micro_batch_tokens=64)
+
+
+@pytest.mark.parametrize("value_head", [False, True])
+def test_outputs_at_response_tokens_only(checkpoints, value_head):
+    """With ``outputs_at``, the head runs on the hidden states before the response tokens alone
+    (RL calls read nothing else); their outputs equal transformers', the rest are 0."""
+    from shardflow.parallel.world import World
+
+    world = World(rank=0, size=1, device=torch.device("cpu"), backend="gloo")
+    path = checkpoints.get("llama_value" if value_head else "llama", "llama", value_head=value_head)
+    model, _ = load_model(path, Layout((0,)), world)
+    batch = make_batch(128, num=9, seed=4)
+    what = "values" if value_head else "logprobs"
+    auto = transformers.AutoModelForSequenceClassification if value_head else transformers.AutoModelForCausalLM
+    with torch.no_grad():
+        ref = reference_outputs(auto.from_pretrained(path, dtype=torch.float32), batch, value_head)[what]
+    head_rows = []
+    head = model.values if value_head else model.logits
+
+    def recording(hidden):
+        head_rows.append(hidden.reshape(-1, hidden.shape[-1]).shape[0])
+        return head(hidden)
+
+    setattr(model, "values" if value_head else "logits", recording)
+    got = infer(model, Layout((0,)), world, batch, what, micro_batch_tokens=64,
+                outputs_at="loss_mask").token_fields[what]
+    first = torch.zeros(batch.num_tokens, dtype=torch.bool)
+    first[batch.offsets[:-1]] = True
+    wanted = (batch.token_fields["loss_mask"] > 0) & ~first
+    assert sum(head_rows) == int(wanted.sum()) < batch.num_tokens - len(batch)  # fewer rows than every position
+    torch.testing.assert_close(got[wanted], ref[wanted], atol=2e-5, rtol=0)
+    assert not got[~wanted].any()
+    with pytest.raises(ValueError, match="lacks token field 'advantage'"):
+        infer(model, Layout((0,)), world, batch, what, micro_batch_tokens=64, outputs_at="advantage")

@@ -21,10 +21,11 @@ from shardflow.parallel.world import World
 
 @torch.no_grad()
 def infer(model: Transformer, layout: Layout, world: World, batch: SequenceBatch, what: str, *,
-          micro_batch_tokens: int, temperature: float = 1.0) -> SequenceBatch | None:
+          micro_batch_tokens: int, temperature: float = 1.0, outputs_at: str | None = None) -> SequenceBatch | None:
     """``batch`` with a new packed float32 token field ``what`` ("logprobs" or "entropy" for a
     language model, "values" for a value model), aligned as the conventions say, on the last
-    stage; None on other stages. ``temperature`` divides the logits (as in sampling)."""
+    stage; None on other stages. ``temperature`` divides the logits (as in sampling).
+    ``outputs_at``: a token field of ``batch`` whose nonzero tokens alone get outputs (0 elsewhere)."""
     check_outputs(model, (what,))
     if model.shard.layout != layout or model.shard.rank != world.rank:
         raise ValueError(f"the model was built for rank {model.shard.rank} of {model.shard.layout}, "
@@ -37,8 +38,11 @@ def infer(model: Transformer, layout: Layout, world: World, batch: SequenceBatch
     param = next(iter(model.parameters()))
     device, dtype = param.device, param.dtype
     groups = split_by_tokens(batch.lengths, micro_batch_tokens, min_micro_batches=layout.pp)
-    ids_only = SequenceBatch(batch.sample_ids, batch.lengths, {"input_ids": batch.token_fields["input_ids"]})
-    micro = make_micro_batches(ids_only, groups, device)  # no other field goes to the device
+    if outputs_at is not None and outputs_at not in batch.token_fields:
+        raise ValueError(f"inference batch lacks token field {outputs_at!r} (has {sorted(batch.token_fields)})")
+    fields = ("input_ids",) if outputs_at is None else ("input_ids", outputs_at)
+    needed = SequenceBatch(batch.sample_ids, batch.lengths, {k: batch.token_fields[k] for k in fields})
+    micro = make_micro_batches(needed, groups, device, outputs_at=outputs_at)  # no other field goes to the device
     results: list[torch.Tensor] = []  # packed output of each micro-batch (last stage)
 
     def forward_step(i: int, x: torch.Tensor | None) -> torch.Tensor | None:

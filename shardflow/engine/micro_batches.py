@@ -77,14 +77,24 @@ class MicroBatch:
     ids: torch.Tensor  # [B,T] input ids, right-padded
     positions: torch.Tensor  # [B,T]
     token_index: torch.Tensor  # [num_tokens] position of each packed token in the flattened [B*T]
+    # The tokens whose outputs are wanted (see ``make_micro_batches``), None for all: their packed
+    # indices [n], and the position in the flattened [B*T] of the hidden state before each.
+    wanted: torch.Tensor | None = None
+    wanted_before: torch.Tensor | None = None
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """[B,T,...] -> packed [num_tokens, ...] (the inverse of the padding)."""
         return padded.flatten(0, 1)[self.token_index]
 
 
-def make_micro_batches(batch: SequenceBatch, groups: list[list[int]], device: torch.device) -> list[MicroBatch]:
-    """The micro-batches of ``batch`` holding the sequences of each group, on ``device``."""
+def make_micro_batches(batch: SequenceBatch, groups: list[list[int]], device: torch.device, *,
+                       outputs_at: str | None = None) -> list[MicroBatch]:
+    """The micro-batches of ``batch`` holding the sequences of each group, on ``device``.
+
+    ``outputs_at``: a token field of ``batch`` (e.g. ``loss_mask``) whose nonzero tokens are the
+    only ones whose per-token outputs are wanted, so that the model's head runs on their hidden
+    states alone (RL losses read responses only, and prompts are often the longer part).
+    """
     out = []
     for group in groups:
         mb = batch.select(group)
@@ -92,10 +102,20 @@ def make_micro_batches(batch: SequenceBatch, groups: list[list[int]], device: to
         width = ids.shape[1]
         rows = torch.repeat_interleave(torch.arange(len(mb)), mb.lengths)  # [num_tokens]
         cols = torch.arange(mb.num_tokens) - torch.repeat_interleave(mb.offsets[:-1], mb.lengths)
+        flat = rows * width + cols
+        wanted = wanted_before = None
+        if outputs_at is not None:
+            # A sequence's first token has no output (nothing predicts it); indices are built here,
+            # on the host, since a boolean mask indexed on the device waits for it.
+            keep = (mb.token_fields[outputs_at].cpu() > 0) & (cols > 0)
+            if keep.any():  # else all outputs, zero-weighted by the same field: no empty head call
+                wanted, wanted_before = keep.nonzero()[:, 0].to(device), (flat[keep] - 1).to(device)
         out.append(MicroBatch(
             batch=mb.to(device),
             ids=ids.to(device),
             positions=torch.arange(width, device=device).expand(ids.shape),
-            token_index=(rows * width + cols).to(device),
+            token_index=flat.to(device),
+            wanted=wanted,
+            wanted_before=wanted_before,
         ))
     return out

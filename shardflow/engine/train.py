@@ -86,7 +86,9 @@ class TrainEngine:
         """
         self._check_batch(batch, temperature)
         groups = split_by_tokens(batch.lengths, micro_batch_tokens, min_micro_batches=self.layout.pp)
-        micro = make_micro_batches(batch, groups, self.device)
+        # The losses read outputs at response tokens only (loss_mask): the head skips the prompts.
+        wanted = "loss_mask" if "loss_mask" in batch.token_fields else None
+        micro = make_micro_batches(batch, groups, self.device, outputs_at=wanted)
         normalizer = self._global_normalizer(loss_fn.normalizer(batch))
 
         names = VALUE_OUTPUTS if self.cfg.value_head else LM_OUTPUTS

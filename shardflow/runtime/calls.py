@@ -35,8 +35,9 @@ from shardflow.rl.graph import Call, Graph, Kind
 from shardflow.rl.losses import actor_loss, critic_loss
 from shardflow.rl.rewards import score_batch
 
-# Per-token fields a model call needs from its inputs (everything else stays home).
-INFERENCE_FIELDS = ("input_ids",)
+# Per-token fields an inference call needs from its inputs (everything else stays home): the ids,
+# and the response tokens, the only ones whose outputs are read.
+INFERENCE_FIELDS = ("input_ids", "loss_mask")
 
 
 @dataclass
@@ -114,7 +115,7 @@ def push_outputs(world: World, graph: Graph, plan, call: Call, layout: Layout, o
         local = None
         if is_holder(layout, world.rank):
             local = out
-            if consumer.kind is Kind.INFERENCE:  # the ids are all an inference call needs
+            if consumer.kind is Kind.INFERENCE:  # all an inference call needs
                 local = SequenceBatch(out.sample_ids, out.lengths,
                                       {k: v for k, v in out.token_fields.items() if k in INFERENCE_FIELDS})
         share = redistribute(world, local, layout, plan[consumer.name].layout)
@@ -212,7 +213,8 @@ def run_inference(world: World, config: ExperimentConfig, call: Call, model: Tra
     what, key = ("values", "values") if call.model == "critic" else ("logprobs", "ref_logprobs")
     out = infer(model, layout, world, batch, what,
                 micro_batch_tokens=token_budget(batch, algo.micro_batch_tokens, micro_batches),
-                temperature=max(config.generation.temperature, 1e-6) if what == "logprobs" else 1.0)
+                temperature=max(config.generation.temperature, 1e-6) if what == "logprobs" else 1.0,
+                outputs_at="loss_mask")  # the losses and advantages read response tokens only
     if out is None or not is_holder(layout, world.rank):
         return None
     return SequenceBatch(batch.sample_ids, batch.lengths, {key: out.token_fields[what].float().cpu()})
