@@ -32,3 +32,12 @@ def test_an_error_of_the_function_itself_still_raises():
     run = compiled_or_eager(bad, "bad", backend="eager")
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="bad input"):
         run(torch.ones(1))
+
+
+def test_past_the_recompile_limit_the_function_runs_eager_and_says_so():
+    run = compiled_or_eager(lambda x: 2 * x, "the doubler", backend="eager")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        assert torch.equal(run(torch.ones(3)), torch.full((3,), 2.0))
+        # a second variant (another dtype) is past the limit: a warning, not a silent eager run
+        with pytest.warns(UserWarning, match="torch.compile of the doubler failed.*[Rr]ecompile"):
+            assert torch.equal(run(torch.ones(3, dtype=torch.float64)), torch.full((3,), 2.0, dtype=torch.float64))

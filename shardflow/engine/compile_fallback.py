@@ -18,10 +18,14 @@ def compiled_or_eager(fn: F, what: str, **compile_options) -> F:
     """``torch.compile(fn)``; if a call of the compiled version raises, warn naming ``what`` and
     the error, then run ``fn`` itself for this call and every later one. An error that is not the
     compiler's raises again from the eager call."""
-    # Past dynamo's recompile limit (8 by default, per code object) new variants run eager with only
-    # a log line: every engine of a process (models, dtypes, batch buckets, sampling modes) shares
-    # the one code object of its step.
+    # Past dynamo's recompile limit (8 by default, per code object) new variants would run eager
+    # with only a log line: every engine of a process (models, dtypes, batch buckets, sampling
+    # modes) shares the one code object of its step. Raise the limit, and make passing it an
+    # error, so that it falls back below with a warning instead of slowing down unannounced.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    strict = {"fail_on_recompile_limit_hit": True}
+    if not hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):  # a torch release without it
+        strict = {}
     compiled = torch.compile(fn, **compile_options)
     failed = False
 
@@ -29,7 +33,8 @@ def compiled_or_eager(fn: F, what: str, **compile_options) -> F:
         nonlocal failed
         if not failed:
             try:
-                return compiled(*args, **kwargs)
+                with torch._dynamo.config.patch(**strict):
+                    return compiled(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, say so
                 warnings.warn(f"torch.compile of {what} failed, running it eager: {type(e).__name__}: "
                               f"{str(e)[:2000]}")
