@@ -201,3 +201,11 @@ def test_refusals(llama, checkpoints):
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         make_requests([[3], []], SamplingParams())
     assert derive_seed(5, 1, 2) == derive_seed(5, 1, 2) != derive_seed(5, 2, 1)
+
+
+def test_blas_library_is_checked_before_work_starts(checkpoints):
+    with pytest.raises(ValueError, match="blas_library must be one of cublas, cublaslt or None; got 'mkl'"):
+        EngineConfig(blas_library="mkl")
+    model = local_model(checkpoints.get("llama", "llama"))
+    with pytest.raises(ValueError, match="blas_library 'cublaslt' needs a CUDA device; the model is on cpu"):
+        Engine(model, EngineConfig(max_seq_len=32, blas_library="cublaslt"))

@@ -47,6 +47,9 @@ from shardflow.engine.steps import decode_logits, prefill_logits
 from shardflow.models.transformer import Transformer
 
 
+BLAS_LIBRARIES = ("cublas", "cublaslt")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     max_seq_len: int | None = None  # prompt + completion tokens; None: the model's max_position_embeddings
@@ -57,6 +60,10 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # capture decode steps as CUDA graphs; None: on CUDA
     compile: bool = False  # torch.compile the decode step (fuses elementwise ops; tp = 1 only)
     compile_mode: str = "default"  # torch.compile mode of the decode step (one that leaves graphs to the engine)
+    # The BLAS library of the decode step's products on CUDA ("cublas" or "cublaslt"); None: torch's
+    # default. Which one is faster depends on the shape and batch (see BENCHMARKS.md); fixed per
+    # run, not timed at run time, so that a seed gives the same tokens in every run.
+    blas_library: str | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ("auto", *ATTENTION):
@@ -71,6 +78,9 @@ class EngineConfig:
             raise ValueError(f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.blas_library not in (None, *BLAS_LIBRARIES):
+            raise ValueError(f"blas_library must be one of {', '.join(BLAS_LIBRARIES)} or None; "
+                             f"got {self.blas_library!r}")
 
 
 @dataclass
@@ -112,8 +122,11 @@ class Engine:
             raise ValueError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
         if config.compile and shard.tp_size > 1:
             raise ValueError("compile is implemented for tp=1 only; run tp > 1 without it")
-        self._step_fn = (compiled_or_eager(self._step, "the decode step", mode=config.compile_mode)
-                         if config.compile else self._step)
+        if config.blas_library is not None and self.device.type != "cuda":
+            raise ValueError(f"blas_library {config.blas_library!r} needs a CUDA device; the model is on {self.device}")
+        step = (compiled_or_eager(self._step, "the decode step", mode=config.compile_mode)
+                if config.compile else self._step)
+        self._step_fn = with_blas_library(step, config.blas_library)
         self.stats = GenerationStats()
         self.waiting: deque[list[Request]] = deque()  # prefill units waiting for free slots
         self.active: list[Request] = []  # requests holding a slot, in admission order
@@ -463,3 +476,20 @@ def _step_inputs(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
 def _mode(requests: list[Request]) -> str:
     return batch_mode([r.params.temperature for r in requests], [r.params.top_k for r in requests],
                       [r.params.top_p for r in requests])
+
+
+def with_blas_library(fn: Callable, library: str | None) -> Callable:
+    """``fn`` run with ``library`` as torch's preferred BLAS (restored after), or ``fn`` itself for
+    None. A CUDA graph captured inside keeps that library's kernels."""
+    if library is None:
+        return fn
+
+    def run(*args, **kwargs):
+        previous = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library(library)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.backends.cuda.preferred_blas_library(previous)
+
+    return run
