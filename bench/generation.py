@@ -34,8 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shardflow.engine.decode_attention import ATTENTION  # noqa: E402
-from shardflow.config import COMPILE_MODES  # noqa: E402
-from shardflow.engine.generate import BLAS_LIBRARIES, Engine, EngineConfig  # noqa: E402
+from shardflow.config import BLAS_LIBRARIES, COMPILE_MODES  # noqa: E402
+from shardflow.engine.generate import Engine, EngineConfig  # noqa: E402
 from shardflow.engine.kv_cache import bytes_per_slot  # noqa: E402
 from shardflow.engine.requests import SamplingParams, make_requests  # noqa: E402
 from shardflow.models.config import ModelConfig  # noqa: E402

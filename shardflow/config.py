@@ -77,6 +77,8 @@ class DataConfig:
 
 # torch.compile modes of the decode step that leave CUDA graphs to the engine (which captures its own)
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+# BLAS libraries the decode step's products can run under on GPUs
+BLAS_LIBRARIES = ("cublas", "cublaslt")
 
 
 @dataclass(kw_only=True)
@@ -92,6 +94,8 @@ class GenerationConfig:
     compile: bool = _f(True, "torch.compile the decode step on GPUs (tp=1 layouts; sampling is compiled always)")
     compile_mode: str = _f("default", "torch.compile mode of the decode step: default | max-autotune-no-cudagraphs "
                                       "(autotuned kernels; much longer compilation)")
+    blas_library: str = _f("", "BLAS library of the decode step's products on GPUs: cublas | cublaslt "
+                               "(empty: torch's default)")
     adaptive_tp: bool = _f(False, "switch generation to the plan's tp_targets mid-decode when that is predicted to pay")
     adaptive_interval: int = _f(32, "adaptive TP: decode steps between switch decisions")
     adaptive_margin: float = _f(0.25, "adaptive TP: switch when the predicted saving exceeds the switch cost by "
@@ -105,6 +109,9 @@ class GenerationConfig:
         _positive(f"{where}.adaptive_margin", self.adaptive_margin, allow_zero=True)
         _choice(f"{where}.adaptive_kv", self.adaptive_kv, ("auto", "migrate", "recompute"))
         _choice(f"{where}.compile_mode", self.compile_mode, COMPILE_MODES)
+        if self.blas_library and self.blas_library not in BLAS_LIBRARIES:
+            raise ValueError(f"{where}.blas_library must be empty or one of {', '.join(BLAS_LIBRARIES)}; "
+                             f"got {self.blas_library!r}")
         _positive(f"{where}.max_new_tokens", self.max_new_tokens)
         _positive(f"{where}.samples_per_prompt", self.samples_per_prompt)
         _positive(f"{where}.temperature", self.temperature, allow_zero=True)

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 import torch
 
-from shardflow.config import COMPILE_MODES
+from shardflow.config import BLAS_LIBRARIES, COMPILE_MODES
 from shardflow.engine.generate import Engine, EngineConfig
 from shardflow.engine.replicas import generate_replicated
 from shardflow.engine.requests import Request, SamplingParams, make_requests
@@ -68,6 +68,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
                    help="torch.compile mode of the decode step with --compile (max-autotune-no-cudagraphs: "
                         "autotuned kernels, much longer compilation)")
+    p.add_argument("--blas-library", choices=BLAS_LIBRARIES, default=None,
+                   help="BLAS library of the decode step's products (GPU; default: torch's)")
     p.set_defaults(run=run)
 
 
@@ -88,6 +90,8 @@ def prepare(args: argparse.Namespace) -> Job:
     check_layout(cfg, layout)
     if cfg.value_head:
         raise ValueError(f"{model} is a value model ({cfg.architecture}); it cannot generate")
+    if args.blas_library is not None and not torch.cuda.is_available():
+        raise ValueError(f"--blas-library {args.blas_library} needs a GPU; this machine has none")
     if args.samples_per_prompt < 1 or args.chunk_prompts < 1:
         raise ValueError("--samples-per-prompt and --chunk-prompts must be positive")
     limit = args.max_seq_len or cfg.max_position_embeddings
@@ -105,7 +109,7 @@ def prepare(args: argparse.Namespace) -> Job:
     # Every KV slot holds max_seq_len positions: no more than the longest request can use.
     max_seq_len = min(limit, max(len(p) for p in prompts) + args.max_new_tokens)
     engine = EngineConfig(max_seq_len=max_seq_len, max_batch_size=args.max_batch_size, compile=args.compile,
-                          compile_mode=args.compile_mode)
+                          compile_mode=args.compile_mode, blas_library=args.blas_library)
     return Job(model=str(model), layout=str(layout), output=args.output, dtype=args.dtype, engine=engine,
                records=records, requests=requests, samples_per_prompt=args.samples_per_prompt,
                chunk_prompts=args.chunk_prompts)

@@ -37,6 +37,9 @@ def test_overrides_types_and_unknown_keys(base_file):
     with pytest.raises(ValueError, match="generation.compile_mode must be one of default, max-autotune-no-cudagraphs; "
                                          "got 'reduce-overhead'"):
         load_config(base_file, ["generation.compile_mode=reduce-overhead"])
+    with pytest.raises(ValueError, match="generation.blas_library must be empty or one of cublas, cublaslt; got 'mkl'"):
+        load_config(base_file, ["generation.blas_library=mkl"])
+    assert load_config(base_file, ["generation.blas_library=cublaslt"]).generation.blas_library == "cublaslt"
 
 
 def test_graphs_of_ppo_and_grpo(base_file):

@@ -57,6 +57,8 @@ def test_round_trip_under_two_replicas(checkpoints, tmp_path):
     (['{"messages": []}'], [], r'in.jsonl:1: "messages" must be a non-empty list'),
     (['{"prompt": "ok"}'], ["--tp", "3"], r"tp=3 cannot split 4 attention heads"),
     (['{"prompt": "ok"}'], ["--top-p", "0"], r"top_p must be in \(0, 1\]"),
+    pytest.param(['{"prompt": "ok"}'], ["--blas-library", "cublaslt"], r"--blas-library cublaslt needs a GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there")),
 ])
 def test_bad_input_fails_before_any_rank_starts_and_keeps_the_output(checkpoints, tmp_path, capsys, lines,
                                                                       extra, message):

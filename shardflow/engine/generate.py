@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from shardflow.config import COMPILE_MODES
+from shardflow.config import BLAS_LIBRARIES, COMPILE_MODES
 from shardflow.engine.compile_fallback import compiled_or_eager
 from shardflow.engine.cuda_graphs import DecodeRunner
 from shardflow.engine.decode_attention import ATTENTION
@@ -45,9 +45,6 @@ from shardflow.engine.requests import Request
 from shardflow.engine.sampling import SamplingTensors, batch_mode, sample
 from shardflow.engine.steps import decode_logits, prefill_logits
 from shardflow.models.transformer import Transformer
-
-
-BLAS_LIBRARIES = ("cublas", "cublaslt")
 
 
 @dataclass(frozen=True, kw_only=True)

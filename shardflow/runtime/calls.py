@@ -292,4 +292,5 @@ def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int, de
         kv_cache_bytes=int(gen.kv_cache_gb * (1 << 30)) or None,
         compile=gen.compile and device.type == "cuda" and layout.tp == 1,
         compile_mode=gen.compile_mode,
+        blas_library=(gen.blas_library or None) if device.type == "cuda" else None,
     )
