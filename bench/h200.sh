@@ -9,11 +9,13 @@
 #   bench/h200.sh OUT d   adaptive TP (one-GPU parts), planner accuracy, the training step
 #   bench/h200.sh OUT e   the decode attention's split count and knobs, and the projections under
 #                         cuBLAS and cuBLASLt (LLaMA-3.1-8B shape, and the GRPO iteration's Qwen3 shape)
+#   bench/h200.sh OUT f   the engine at batch 64 and 256 x 1K with the decode products under
+#                         cuBLASLt, then under torch's default library
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
-OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e}
-PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e}
+OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f}
+PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORK=$(mktemp -d)
 LOG=$OUT/log.txt
@@ -61,6 +63,13 @@ case $PART in
     run sweep_qwen 200 decode_profile.json python3 bench/decode_profile.py --model qwen3-1.7b --sweep-only \
       --sweep-cases 64x320,256x320,256x576
     mv "$OUT/decode_profile.json" "$OUT/decode_sweep_qwen.json" 2>/dev/null
+    ;;
+  f)
+    run cublaslt 270 generation.json python3 bench/generation.py --batches 64,256 --contexts 1024 --steps 24 \
+      --skip-transformers --skip-parity --blas-library cublaslt
+    mv "$OUT/generation.json" "$OUT/generation_cublaslt.json" 2>/dev/null
+    run default_blas 270 generation.json python3 bench/generation.py --batches 64,256 --contexts 1024 --steps 24 \
+      --skip-transformers --skip-parity
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40
