@@ -38,7 +38,8 @@ class LossFn(Protocol):
         """Loss (0-d tensor) and stats of one micro-batch.
 
         ``outputs``: packed float32 per-token fields of ``micro_batch`` aligned as the
-        conventions say (``field[t]`` is about ``ids[t]``; ``field[0]`` is 0):
+        conventions say (``field[t]`` is about ``ids[t]``; ``field[0]`` is 0; a batch with a
+        ``loss_mask`` gets them at its tokens only, 0 elsewhere):
         ``{"logprobs", "entropy"}`` for a language model, ``{"values"}`` for a value model.
         ``micro_batch`` holds the same sequences with every field of the step's batch, on the
         model's device. Stats: 0-d tensors (no ``.item()``: that would wait on the device).
