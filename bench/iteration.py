@@ -152,12 +152,12 @@ def rooflines(shape: dict, workload: dict, bandwidth: float, flops: float) -> di
 # ----- runs -----------------------------------------------------------------------------------------
 
 
-def run_shardflow(work: Path, workload: dict, iterations: int) -> dict:
+def run_shardflow(work: Path, workload: dict, iterations: int, overrides: list[str]) -> dict:
     out = work / "shardflow-run"
     config = shardflow_config(work, workload, iterations, out)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "shardflow.cli", "train", str(config)], check=True, env=env)
+    subprocess.run([sys.executable, "-m", "shardflow.cli", "train", str(config), *overrides], check=True, env=env)
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steady = rows[1:] if len(rows) > 1 else rows
@@ -217,6 +217,9 @@ def main() -> None:
     parser.add_argument("--trl-steps", type=int, default=3)
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-planner", action="store_true", help="no planner estimate (its profile takes minutes)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for shardflow's run, e.g. algorithm.micro_batch_tokens=32768 "
+                             "(repeatable)")
     args = parser.parse_args()
     shape, workload = (TINY, TINY_WORKLOAD) if args.tiny else (QWEN3_1_7B, FULL_WORKLOAD)
     out = Path(args.out)
@@ -228,8 +231,9 @@ def main() -> None:
         bandwidth, flops = measure_rates(device)
         roof = rooflines(shape, workload, bandwidth, flops)
         result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                  "torch": torch.__version__, "shape": shape, "workload": workload, "roofline": roof}
-        result["shardflow"] = ours = run_shardflow(work, workload, args.iterations)
+                  "torch": torch.__version__, "shape": shape, "workload": workload, "roofline": roof,
+                  "overrides": args.set}
+        result["shardflow"] = ours = run_shardflow(work, workload, args.iterations, args.set)
         (out / "iteration.json").write_text(json.dumps(result, indent=2))  # kept if the peer fails
         # The peer first: the planner's profile (minutes on a GPU) must not cost the comparison.
         try:
