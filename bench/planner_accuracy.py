@@ -74,13 +74,19 @@ def batches(cfg, seqs: int, length: int, micro: int, device):
     return [(ids[i], positions) for i in range(micro)]
 
 
+def response_logprobs(model, ids: torch.Tensor, pos: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Log-probabilities [B, T - prompt] of the response tokens, the head on the hidden states before
+    them alone (as the runtime's RL calls run it)."""
+    return model.token_logprobs(model(ids, pos)[:, prompt - 1:-1], ids[:, prompt:])
+
+
 def measure_inference(model, cfg, seqs, length, micro, device) -> float:
     data = batches(cfg, seqs, length, micro, device)
 
     @torch.no_grad()
     def run():
         for ids, pos in data:
-            model.token_logprobs(model(ids, pos), ids)  # [B,T]
+            response_logprobs(model, ids, pos, length // 2)
 
     return timed(run, device, 2)
 
@@ -93,7 +99,7 @@ def measure_train(model, cfg, seqs, length, micro, device) -> float:
 
     def step():
         for ids, pos in data:
-            loss = -model.token_logprobs(model(ids, pos), ids).mean() / micro
+            loss = -response_logprobs(model, ids, pos, length // 2).mean() / micro
             loss.backward()
         for p, m in zip(params, masters):
             m.grad = p.grad.float()

@@ -141,20 +141,18 @@ def random_model(cfg: ModelConfig, layout: Layout, world, dtype: torch.dtype):
     return model
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters in matrix products per token (layers and the LM head; not the embedding lookup)."""
-    return cfg.num_layers * cfg.layer_params() + cfg.vocab_size * cfg.hidden_size
-
-
 def speed(world, shapes: list[str], cfg: ModelConfig, args) -> list[dict]:
     cuda = world.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     batch = make_batch(args.batch, args.max_len, cfg.vocab_size, seed=1, equal=args.equal_lengths)
     lengths = batch.lengths.tolist()
     real = sum(lengths)
-    # training FLOPs: 3 x forward; forward = 2 x matmul params per token + causal attention
+    # training FLOPs: 3 x forward; forward = 2 x the layers' matrix parameters per token, the LM head
+    # at the tokens whose log-probabilities the loss reads (loss_mask, not a sequence's first), and
+    # causal attention
+    heads = sum(int((m[1:] > 0).sum()) for m in batch.token_fields["loss_mask"].split(lengths))
     attn = sum(2 * 2 * cfg.num_layers * cfg.q_size * n * n / 2 for n in lengths)
-    flops = 3 * (2 * matmul_params(cfg) * real + attn)
+    flops = 3 * (2 * (cfg.num_layers * cfg.layer_params() * real + cfg.vocab_size * cfg.hidden_size * heads) + attn)
     rows = []
     for shape in shapes:
         layout = layout_of(shape)

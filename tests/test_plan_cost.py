@@ -87,12 +87,13 @@ def test_inference_and_training_time_by_hand():
     layers = mem.stage_layer_count(cfg, 2)
     mb = tokens / 4
     send = cluster.intra_node_latency + mb * cfg.hidden_size * 2 / cluster.p2p_bandwidth
-    stage = layers * 1e-6 * mb + 5e-7 * mb + send
+    heads = mb * 200 / 500  # the head runs at response tokens only
+    stage = layers * 1e-6 * mb + 5e-7 * heads + send
     assert costs.inference(cfg, Layout.contiguous(pp=2), 4) == pytest.approx(5 * stage)
     # dp = 2, 2 micro-batches, 2 optimizer steps: per step the pipeline, the gradient
     # all-reduce over the two replicas and the optimizer
     mb = math.ceil(16 / (2 * 2)) * 500 / 2
-    stage = cfg.num_layers * 3e-6 * mb + 1.5e-6 * mb
+    stage = cfg.num_layers * 3e-6 * mb + 1.5e-6 * mb * 200 / 500
     params = mem.rank_params(cfg, 1, 1)
     grads = cluster.intra_node_latency + params * 4 / cluster.intra_node_bandwidth  # fp32; 2 (n - 1) / n = 1
     expected = 2 * (2 * stage + grads + 1e-12 * params)
@@ -106,7 +107,7 @@ def test_tensor_parallel_adds_two_all_reduces_per_layer():
     costs = CostModel(LinearOps(cluster), w)
     mb = 8 * 200
     ar = cluster.intra_node_latency + 2 * (1 / 2) * mb * cfg.hidden_size * 2 / cluster.intra_node_bandwidth
-    expected = cfg.num_layers * (1e-6 * mb / 2 + 2 * ar) + 5e-7 * mb
+    expected = cfg.num_layers * (1e-6 * mb / 2 + 2 * ar) + 5e-7 * mb / 2  # the head at the response half
     assert costs.inference(cfg, Layout.contiguous(tp=2), 1) == pytest.approx(expected)
 
 

@@ -155,7 +155,7 @@ class CostModel:
             def stage(mb: float) -> float:
                 per_layer = (self.ops.layer_forward(cfg, layout.tp, mb, w.attention_length)
                              + 2 * self._tp_all_reduce(cfg, layout, mb))
-                head = self.ops.head_forward(cfg, layout.tp, mb)
+                head = self.ops.head_forward(cfg, layout.tp, mb * w.response_share)  # at response tokens
                 return layers * per_layer + head + self._stage_send(cfg, layout, mb)
 
             tokens = self.replica_sequences(layout) * w.mean_tokens
@@ -177,7 +177,8 @@ class CostModel:
                 passes = 3 if checkpointing else 2  # all-reduce pairs: forward, backward, recompute
                 per_layer = fwd * (2 if checkpointing else 1) + bwd
                 per_layer += 2 * passes * self._tp_all_reduce(cfg, layout, mb)
-                head = self.ops.head_forward(cfg, layout.tp, mb) + self.ops.head_backward(cfg, layout.tp, mb)
+                heads = mb * w.response_share  # the head runs at response tokens only
+                head = self.ops.head_forward(cfg, layout.tp, heads) + self.ops.head_backward(cfg, layout.tp, heads)
                 return layers * per_layer + head + 2 * self._stage_send(cfg, layout, mb)
 
             tokens = self.replica_sequences(layout, w.train_steps) * w.mean_tokens

@@ -70,6 +70,11 @@ class Workload:
         return self._moments[0]
 
     @property
+    def response_share(self) -> float:
+        """Response tokens / all tokens: the share of positions where RL calls run the LM head."""
+        return 1 - self.prompt_tokens / self.mean_tokens
+
+    @property
     def attention_length(self) -> float:
         """Length whose causal attention cost, per token, equals the batch's: E[L^2] / E[L]."""
         mean, square = self._moments
