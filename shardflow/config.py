@@ -96,8 +96,6 @@ class GenerationConfig:
                                       "(autotuned kernels; much longer compilation)")
     blas_library: str = _f("", "BLAS library of the decode step's products on GPUs: cublas | cublaslt "
                                "(empty: torch's default)")
-    split_streams_from: int = _f(0, "decode batches of at least this many rows as two halves on two CUDA streams, "
-                                    "overlapping their latency-bound kernels (0: off; tp=1 layouts)")
     adaptive_tp: bool = _f(False, "switch generation to the plan's tp_targets mid-decode when that is predicted to pay")
     adaptive_interval: int = _f(32, "adaptive TP: decode steps between switch decisions")
     adaptive_margin: float = _f(0.25, "adaptive TP: switch when the predicted saving exceeds the switch cost by "
@@ -114,8 +112,6 @@ class GenerationConfig:
         if self.blas_library and self.blas_library not in BLAS_LIBRARIES:
             raise ValueError(f"{where}.blas_library must be empty or one of {', '.join(BLAS_LIBRARIES)}; "
                              f"got {self.blas_library!r}")
-        if self.split_streams_from < 0 or self.split_streams_from == 1:
-            raise ValueError(f"{where}.split_streams_from must be 0 (off) or at least 2, got {self.split_streams_from}")
         _positive(f"{where}.max_new_tokens", self.max_new_tokens)
         _positive(f"{where}.samples_per_prompt", self.samples_per_prompt)
         _positive(f"{where}.temperature", self.temperature, allow_zero=True)

@@ -65,20 +65,3 @@ def test_without_padding_a_step_computes_only_its_rows():
     runner.keep([2])
     tokens, _ = runner.run("greedy")
     assert calls[-1][0].shape == (5, 1) and tokens.tolist() == [10 * 31 + 1 + 1]
-
-
-def test_a_bucket_from_split_from_runs_as_two_halves_with_the_same_result():
-    calls = []
-    runner = DecodeRunner(fake_step(calls), max_batch=8, scratch_slot=SCRATCH, device=torch.device("cpu"),
-                          graphs=False, pad=True, split_from=4)
-    runner.load(*host_rows([1, 2, 3, 4, 5], [4, 5, 6, 7, 8], [0, 1, 2, 3, 4]))
-    tokens, logprobs = runner.run("sample")
-    assert tokens.tolist() == [15, 26, 37, 48, 59] and logprobs.tolist() == [0, 1, 2, 3, 4]
-    assert [c[0].shape[1] for c in calls] == [4, 4]  # the bucket of 8 as two halves
-    assert calls[1][0][2].tolist() == [4, SCRATCH, SCRATCH, SCRATCH]  # the second half: row 4 and padding
-    tokens, _ = runner.run("sample")  # both halves advanced in place
-    assert tokens.tolist() == [10 * t + p + 1 for t, p in zip([15, 26, 37, 48, 59], [5, 6, 7, 8, 9])]
-    runner.keep([0, 2])  # a bucket of 2, below split_from: one step
-    calls.clear()
-    runner.run("greedy")
-    assert [c[0].shape[1] for c in calls] == [2]

@@ -209,33 +209,3 @@ def test_blas_library_is_checked_before_work_starts(checkpoints):
     model = local_model(checkpoints.get("llama", "llama"))
     with pytest.raises(ValueError, match="blas_library 'cublaslt' needs a CUDA device; the model is on cpu"):
         Engine(model, EngineConfig(max_seq_len=32, blas_library="cublaslt"))
-
-
-def test_two_half_batches_give_the_tokens_of_one_batch(llama):
-    """split_streams_from: buckets from 2 rows decode as two halves (one after the other on the CPU);
-    rows join and leave mid-run, so halves change size and composition."""
-    _, model = llama
-    ids = prompts(lengths=(5, 9, 13, 7, 11))
-    lengths = [12, 3, 9, 5, 7]
-
-    def sampled(config):
-        requests = [Request(request_id=i, group=i, prompt_ids=p, params=SamplingParams(max_new_tokens=n, temperature=1.0),
-                            seed=3 + i) for i, (p, n) in enumerate(zip(ids, lengths))]
-        Engine(model, config, eos_token_ids=()).generate(requests)
-        return [(r.output_ids, r.output_logprobs) for r in requests]
-
-    budget = 5 * bytes_per_slot(model.shard, model.cfg, 63, torch.float32)  # four slots + scratch
-    whole = sampled(EngineConfig(max_seq_len=64, kv_cache_bytes=budget))
-    halves = sampled(EngineConfig(max_seq_len=64, kv_cache_bytes=budget, split_streams_from=2))
-    assert [t for t, _ in halves] == [t for t, _ in whole]
-    assert max(abs(a - b) for (_, x), (_, y) in zip(whole, halves) for a, b in zip(x, y)) < 1e-5
-
-
-def test_split_streams_is_checked_before_work_starts(llama):
-    _, model = llama
-    with pytest.raises(ValueError, match="split_streams_from must be 0 \\(off\\) or at least 2, got 1"):
-        EngineConfig(split_streams_from=1)
-    cfg = model.cfg
-    tp_shard = build_model(cfg, shard_for(cfg, Layout((0, 1), tp=2), 0), None, "cpu", torch.float32)
-    with pytest.raises(ValueError, match="split_streams_from is implemented for tp=1 only"):
-        Engine(tp_shard, EngineConfig(max_seq_len=32, split_streams_from=8))

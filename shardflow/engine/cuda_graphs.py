@@ -13,12 +13,6 @@ filled with a dummy request that lives in the KV cache's scratch slot (position 
 in-place advance leaves it there), so padding never touches a real request's cache. Graphs are
 captured per (bucket, sampling mode) on first use, in the order batches arrive; every tp rank sees
 the same batch sizes in the same order, so the collectives inside the graphs match across ranks.
-
-A bucket of at least ``split_from`` rows can run as two half-batches, on two CUDA streams when
-on a GPU: rows are independent, so while one half runs a latency-bound kernel (a norm, the
-sampler, an attention tail) the other's products or attention fill the idle SMs. Each half costs a
-second read of the weights (from L2 when the halves run in step), so it pays only where the
-step is not bound by weight bytes, i.e. at large batches.
 """
 
 from __future__ import annotations
@@ -62,12 +56,9 @@ class DecodeRunner:
     """Runs ``step`` over the first ``batch`` rows of its buffers, eagerly or through graphs."""
 
     def __init__(self, step: StepFn, *, max_batch: int, scratch_slot: int, device: torch.device,
-                 graphs: bool, pad: bool | None = None, split_from: int = 0):
-        """``pad``: run batches padded to their bucket (default: with graphs, which need it);
-        ``split_from``: buckets of at least this many rows run as two halves (0: never)."""
+                 graphs: bool, pad: bool | None = None):
+        """``pad``: run batches padded to their bucket (default: with graphs, which need it)."""
         self.step, self.device, self.scratch_slot, self.use_graphs = step, device, scratch_slot, graphs
-        self.split_from = split_from
-        self._side = torch.cuda.Stream(device) if split_from and device.type == "cuda" else None
         self.pad = graphs if pad is None else pad
         self.buckets = batch_buckets(max_batch)
         n = self.buckets[-1]
@@ -111,7 +102,7 @@ class DecodeRunner:
         batch, n = self.batch, self.bucket(self.batch)
         if not self.use_graphs:
             ints = self.ints[:, :n]
-            tokens, logprobs = self._step_rows(ints, self.floats[:, :n], mode)
+            tokens, logprobs = self.step(ints, self.floats[:, :n], mode)
             advance(ints, tokens, self.scratch_slot)
             return tokens[:batch], logprobs[:batch]
         self.capture(n, mode)
@@ -140,30 +131,13 @@ class DecodeRunner:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                tokens, _ = self._step_rows(ints, floats, mode)
+                tokens, _ = self.step(ints, floats, mode)
                 advance(ints, tokens, self.scratch_slot)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of other threads (the NCCL watchdog) do not break the capture.
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._step_rows(ints, floats, mode)
+            out = self.step(ints, floats, mode)
             advance(ints, out[0], self.scratch_slot)
         self.pool = graph.pool()
         self.graphs[(n, mode)], self.outputs[(n, mode)] = graph, out
-
-    def _step_rows(self, ints: torch.Tensor, floats: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step over these rows, as two halves (the second on the side stream) from ``split_from``."""
-        n = ints.shape[1]
-        if not self.split_from or n < self.split_from:
-            return self.step(ints, floats, mode)
-        h = n // 2
-        if self._side is None:
-            first, second = self.step(ints[:, :h], floats[:, :h], mode), self.step(ints[:, h:], floats[:, h:], mode)
-        else:
-            main = torch.cuda.current_stream(self.device)
-            self._side.wait_stream(main)
-            first = self.step(ints[:, :h], floats[:, :h], mode)
-            with torch.cuda.stream(self._side):
-                second = self.step(ints[:, h:], floats[:, h:], mode)
-            main.wait_stream(self._side)
-        return torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]])

@@ -61,10 +61,6 @@ class EngineConfig:
     # default. Which one is faster depends on the shape and batch (see BENCHMARKS.md); fixed per
     # run, not timed at run time, so that a seed gives the same tokens in every run.
     blas_library: str | None = None
-    # Batch buckets of at least this many rows decode as two half-batches on two CUDA streams, so
-    # that each half's latency-bound kernels overlap the other's work (0: off; tp = 1 only). Pays
-    # where a step is not bound by weight bytes (large batches); see BENCHMARKS.md.
-    split_streams_from: int = 0
 
     def __post_init__(self) -> None:
         if self.attention not in ("auto", *ATTENTION):
@@ -82,8 +78,6 @@ class EngineConfig:
         if self.blas_library not in (None, *BLAS_LIBRARIES):
             raise ValueError(f"blas_library must be one of {', '.join(BLAS_LIBRARIES)} or None; "
                              f"got {self.blas_library!r}")
-        if self.split_streams_from < 0 or self.split_streams_from == 1:
-            raise ValueError(f"split_streams_from must be 0 (off) or at least 2, got {self.split_streams_from}")
 
 
 @dataclass
@@ -127,9 +121,6 @@ class Engine:
             raise ValueError("compile is implemented for tp=1 only; run tp > 1 without it")
         if config.blas_library is not None and self.device.type != "cuda":
             raise ValueError(f"blas_library {config.blas_library!r} needs a CUDA device; the model is on {self.device}")
-        if config.split_streams_from and shard.tp_size > 1:
-            raise ValueError(f"split_streams_from is implemented for tp=1 only (layout {shard.layout}): the "
-                             "halves' collectives would run on two streams")
         step = (compiled_or_eager(self._step, "the decode step", mode=config.compile_mode)
                 if config.compile else self._step)
         self._step_fn = with_blas_library(step, config.blas_library)
@@ -188,8 +179,7 @@ class Engine:
                 torch._dynamo.mark_dynamic(t, 0)
                 torch._dynamo.mark_dynamic(t, 2)
         self.decode = DecodeRunner(self._step_fn, max_batch=self.cache.num_slots,
-                                   scratch_slot=self.cache.scratch_slot, device=self.device, graphs=self.use_graphs,
-                                   split_from=self.config.split_streams_from)
+                                   scratch_slot=self.cache.scratch_slot, device=self.device, graphs=self.use_graphs)
         # Two host buffers for read-back: one step's tokens arrive while the other's are read.
         pinned = self.device.type == "cuda"
         self._host = [torch.empty(2, self.cache.num_slots, dtype=torch.float64, pin_memory=pinned)
