@@ -6,8 +6,8 @@
 1. With ``--sweep``: the Triton decode attention per batch x context case over its split count at
    the engine's knobs, then over positions per block, warps and pipeline stages at the split count
    the engine picks; GB/s of KV read (about 80 kernel compilations per model shape: minutes).
-2. The decode step's projections as plain ``F.linear`` per weight shape, under cuBLAS and
-   cuBLASLt, GB/s of weight read, at batch 1, 16, 64 and 256.
+2. The decode step's projections alone per weight shape, under cuBLAS and cuBLASLt, and under
+   cuBLAS with the weight stored transposed, GB/s of weight read, at batch 1, 16, 64 and 256.
 3. A kernel-level profile (torch.profiler) of the engine's compiled decode step (and with
    ``--eager`` the eager one) at batch 1 and 64: the top kernels by device time.
 Writes ``decode_profile.json`` to ``--out`` and prints the best settings found.
@@ -94,24 +94,29 @@ def attention_sweep(device, cfg, cases, dtype) -> list[dict]:
 
 
 def linear_sweep(device, cfg, dtype) -> list[dict]:
-    """``F.linear`` per weight shape and batch under cuBLAS and cuBLASLt: microseconds per call of
-    calls in one CUDA graph over enough copies of the weight that L2 cannot hold them (the decode
-    step reads each weight once per step)."""
+    """Each decode projection per weight shape and batch: ``F.linear`` under cuBLAS and cuBLASLt
+    (the weight [out, in], as the engine stores it), and under cuBLAS with the weight stored
+    transposed ([in, out], ``x @ w``), which makes cuBLAS pick other kernels. Microseconds per call
+    of calls in one CUDA graph over enough copies of the weight that L2 cannot hold them (the
+    decode step reads each weight once per step)."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     shapes = {"qkv_fused": (cfg.q_size + 2 * cfg.kv_size, H), "o": (H, cfg.q_size), "gate_up_fused": (2 * I, H),
               "down": (H, I), "lm_head": (cfg.vocab_size, H)}
+    variants = (("cublas", "out_in"), ("cublaslt", "out_in"), ("cublas", "in_out"))
     chosen = torch.backends.cuda.preferred_blas_library()
     rows = []
-    for (name, (n, kdim)), batch, library in itertools.product(shapes.items(), (1, 16, 64, 256), ("cublas", "cublaslt")):
+    for (name, (n, kdim)), batch, (library, layout) in itertools.product(shapes.items(), (1, 16, 64, 256), variants):
         copies = max(1, -(-256 * 2**20 // (n * kdim * 2)))  # >= 256 MiB, five times the L2
-        ws = [torch.randn(n, kdim, dtype=dtype, device=device) for _ in range(copies)]
+        shape = (n, kdim) if layout == "out_in" else (kdim, n)
+        ws = [torch.randn(*shape, dtype=dtype, device=device) for _ in range(copies)]
         x = torch.randn(batch, kdim, dtype=dtype, device=device)
+        product = (lambda w: F.linear(x, w)) if layout == "out_in" else (lambda w: x @ w)
         torch.backends.cuda.preferred_blas_library(library)
         try:
-            seconds = kernel_timed(lambda: [F.linear(x, w) for w in ws], device, calls=max(1, 20 // copies)) / copies
+            seconds = kernel_timed(lambda: [product(w) for w in ws], device, calls=max(1, 20 // copies)) / copies
         finally:
             torch.backends.cuda.preferred_blas_library(chosen)
-        rows.append(dict(weight=name, batch=batch, library=library, us=seconds * 1e6,
+        rows.append(dict(weight=name, batch=batch, library=library, layout=layout, us=seconds * 1e6,
                          gbps=ws[0].numel() * ws[0].element_size() / seconds / 1e9))
         del ws
     return rows
@@ -240,7 +245,8 @@ def print_summary(result: dict) -> None:
               f"({picked['gbps']:.0f} GB/s); best {best['us']:.1f} us (block {best['block']} warps {best['warps']} "
               f"stages {best['stages']} splits {best['splits']}); us by splits {by_splits}")
     for r in result["linear"]:
-        print(f"linear {r['weight']:>14} b{r['batch']:<3} {r['library']:>8} {r['us']:8.1f} us {r['gbps']:6.0f} GB/s")
+        print(f"linear {r['weight']:>14} b{r['batch']:<3} {r['library']:>8} {r['layout']:>6} {r['us']:8.1f} us "
+              f"{r['gbps']:6.0f} GB/s")
     for r in result["sampler"]:
         print(f"sampler b{r['batch']:<3} {r['mode']:>6} {r['us']:8.1f} us ({r['gbps']:5.0f} GB/s of bf16 logits), "
               f"torch ops compiled {r['torch_us']:8.1f} us; same tokens {r['same_tokens']}, "
