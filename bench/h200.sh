@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The single-GPU benchmarks of BENCHMARKS.md, in five parts that each fit a 10-minute window:
-#   bench/h200.sh OUT a   the decode products under cuBLAS and cuBLASLt and decode attention's split
-#                         counts at batch 1 and 16; generation (parity of the fast path, decode
+# The single-GPU benchmarks of BENCHMARKS.md, in six parts that each fit a 10-minute window:
+#   bench/h200.sh OUT a   the decode products (cuBLAS, cuBLASLt, weights transposed) and decode
+#                         attention's split counts at batch 1 and 16; generation (parity of the fast path, decode
 #                         attention, the engine against its roofline and transformers)
 #   bench/h200.sh OUT b   one GRPO iteration against TRL, and the training log-probabilities
 #   bench/h200.sh OUT c   the GRPO training call with its kernel profile, and where a decode step goes
 #                         (LLaMA-3.1-8B shape, and the GRPO iteration's groups on the Qwen3 shape)
 #   bench/h200.sh OUT d   adaptive TP (one-GPU parts), planner accuracy, the training step
-#   bench/h200.sh OUT e   the decode attention's split count and knobs, and the projections under
-#                         cuBLAS and cuBLASLt (LLaMA-3.1-8B shape, and the GRPO iteration's Qwen3 shape)
+#   bench/h200.sh OUT e   the decode attention's split count and knobs, and the projections (cuBLAS,
+#                         cuBLASLt, weights transposed; LLaMA-3.1-8B shape, and the GRPO iteration's Qwen3 shape)
 #   bench/h200.sh OUT f   the engine at batch 64 and 256 x 1K with the decode products under
 #                         cuBLASLt, then under torch's default library
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
