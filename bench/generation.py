@@ -116,14 +116,14 @@ def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, see
 
 # ----- parity: fast path against plain path --------------------------------------------------------
 
-def parity_check(device: torch.device, compile_: bool, compile_mode: str = "default",
-                 blas_library: str | None = None) -> dict:
+def parity_check(device: torch.device, compile_: bool, options: dict) -> dict:
+    """``options``: the fast path's other EngineConfig fields (compile mode, BLAS library, weight layout)."""
     from shardflow.models.checkpoint import load_model
     from shardflow.models.tiny import make_tiny_checkpoint
     from shardflow.parallel.world import World
 
     fast = dict(attention="triton" if device.type == "cuda" else "torch", cuda_graphs=device.type == "cuda",
-                compile=compile_, compile_mode=compile_mode, blas_library=blas_library)
+                compile=compile_, **options)
     plain = dict(attention="torch", cuda_graphs=False, compile=False)
     world = World(rank=0, size=1, device=device, backend="nccl" if device.type == "cuda" else "gloo")
     lengths = (3, 17, 40, 9)
@@ -298,6 +298,8 @@ def main() -> None:
                         help="let inductor tune each generated kernel's launch settings (slower compilation)")
     parser.add_argument("--blas-library", choices=BLAS_LIBRARIES, default=None,
                         help="the BLAS library of the engine's decode products (default: torch's)")
+    parser.add_argument("--transposed-weights", action="store_true",
+                        help="the engine's decode products read their weights stored transposed ([in, out])")
     parser.add_argument("--skip-transformers", action="store_true", help="do not measure transformers generate")
     parser.add_argument("--skip-parity", action="store_true", help="do not check the fast path against the plain one")
     args = parser.parse_args()
@@ -316,7 +318,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     report: dict = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                         torch=torch.__version__, dtype=str(dtype), shape=shape, compile=compile_,
-                        compile_mode=args.compile_mode, blas_library=args.blas_library, steps=steps)
+                        compile_mode=args.compile_mode, blas_library=args.blas_library,
+                        transposed_weights=args.transposed_weights, steps=steps)
+    options = dict(compile_mode=args.compile_mode, blas_library=args.blas_library,
+                   transposed_weights=args.transposed_weights)
     if args.compile_mode != "default":
         torch._dynamo.config.automatic_dynamic_shapes = False
     if args.coordinate_descent:
@@ -335,14 +340,14 @@ def main() -> None:
     report["parity"] = {}
     if not args.skip_parity:
         try:
-            report["parity"] = parity_check(device, compile_, args.compile_mode, args.blas_library)
+            report["parity"] = parity_check(device, compile_, options)
         except Exception as e:  # noqa: BLE001 - a failed compilation is reported, then measured without
             if not compile_:
                 raise
             report["compile_error"] = f"{type(e).__name__}: {e}"
             print(f"torch.compile failed, measuring without it: {report['compile_error'][:500]}")
             compile_ = report["compile"] = False
-            report["parity"] = parity_check(device, compile_, blas_library=args.blas_library)
+            report["parity"] = parity_check(device, compile_, options | dict(compile_mode="default"))
     for name, p in report["parity"].items():
         print(f"parity {name}: {p['identical_tokens']}/{p['tokens']} tokens identical to the plain path, "
               f"worst argmax margin {p['worst_argmax_margin']:.3g} -> {'ok' if p['ok'] else 'FAILED'}")
@@ -362,8 +367,7 @@ def main() -> None:
     engine = Engine(model, EngineConfig(max_seq_len=max(contexts) + steps + 1, max_batch_size=max(batches),
                                         kv_cache_bytes=(2 * bytes_per_slot(model.shard, cfg, max(contexts) + steps,
                                                                            dtype)),
-                                        compile=compile_, compile_mode=args.compile_mode,
-                                        blas_library=args.blas_library))
+                                        compile=compile_, **options))
     rows, skipped = report["engine"], report["skipped"] = [], []
     for context in contexts:
         for batch in batches:

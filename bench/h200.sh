@@ -9,13 +9,15 @@
 #   bench/h200.sh OUT d   adaptive TP (one-GPU parts), planner accuracy, the training step
 #   bench/h200.sh OUT e   the decode attention's split count and knobs, and the projections (cuBLAS,
 #                         cuBLASLt, weights transposed; LLaMA-3.1-8B shape, and the GRPO iteration's Qwen3 shape)
-#   bench/h200.sh OUT f   the engine at batch 64 and 256 x 1K with the decode products under
-#                         cuBLASLt, then under torch's default library
+#   bench/h200.sh OUT f   the engine at batch 1, 64 and 256 x 1K with the decode weights stored
+#                         transposed, then as stored
+#   bench/h200.sh OUT g   parity of the fast path with the weights transposed; the GRPO iteration
+#                         (no TRL) with them, then without
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
-OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f}
-PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f}
+OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g}
+PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORK=$(mktemp -d)
 LOG=$OUT/log.txt
@@ -65,11 +67,20 @@ case $PART in
     mv "$OUT/decode_profile.json" "$OUT/decode_sweep_qwen.json" 2>/dev/null
     ;;
   f)
-    run cublaslt 270 generation.json python3 bench/generation.py --batches 64,256 --contexts 1024 --steps 24 \
-      --skip-transformers --skip-parity --blas-library cublaslt
-    mv "$OUT/generation.json" "$OUT/generation_cublaslt.json" 2>/dev/null
-    run default_blas 270 generation.json python3 bench/generation.py --batches 64,256 --contexts 1024 --steps 24 \
+    run transposed 270 generation.json python3 bench/generation.py --batches 1,64,256 --contexts 1024 --steps 24 \
+      --skip-transformers --skip-parity --transposed-weights
+    mv "$OUT/generation.json" "$OUT/generation_transposed.json" 2>/dev/null
+    run as_stored 270 generation.json python3 bench/generation.py --batches 1,64,256 --contexts 1024 --steps 24 \
       --skip-transformers --skip-parity
+    ;;
+  g)
+    run parity 150 generation.json python3 bench/generation.py --batches 1 --contexts 1024 --steps 8 \
+      --skip-transformers --transposed-weights
+    mv "$OUT/generation.json" "$OUT/parity_transposed.json" 2>/dev/null
+    run iteration_transposed 200 iteration.json python3 bench/iteration.py --iterations 3 --skip-trl --skip-planner \
+      --set generation.transposed_weights=true
+    mv "$OUT/iteration.json" "$OUT/iteration_transposed.json" 2>/dev/null
+    run iteration 200 iteration.json python3 bench/iteration.py --iterations 3 --skip-trl --skip-planner
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40

@@ -63,9 +63,9 @@ def adaptive_job(world, path: str, start: str, targets: list[str], runs: dict, p
         generator = AdaptiveGenerator(world, model, target_ls, engine_config=config,
                                       eos_token_ids=model.cfg.eos_token_ids,
                                       config=AdaptiveConfig(policy=PolicyConfig(interval=interval)), steps=steps)
-    if fuse:  # what GPU engines decode with: fused q/k/v and gate/up copies, refreshed per generation
+    if fuse:  # what GPU engines decode with: concatenated q/k/v and gate/up copies, refreshed per generation
         for m in generator.models.values():
-            m.fuse_projections(True)
+            m.make_decode_weights()
     out = {"static": static and [(r.output_ids, r.output_logprobs, r.finish_reason) for r in static],
            "refused": [r.reason for r in generator.refused], "finish_ok": True}
     for name, schedule in runs.items():

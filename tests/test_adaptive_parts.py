@@ -183,25 +183,50 @@ def test_one_rank_generator_refusals_and_bad_schedules(checkpoints):
         generator.generate(make_requests([[5] * 70], params))
 
 
-def test_fused_projection_copies_refresh_in_place():
-    """Decoding engines on GPUs read concatenated q/k/v and gate/up copies; refreshing them after the
+@pytest.mark.parametrize("transposed", [False, True])
+def test_decode_weight_copies_refresh_in_place(transposed):
+    """Decoding engines read copies of the weights (q/k/v and gate/up concatenated; with
+    ``transposed`` every decode product's weight stored [in, out]); refreshing them after the
     weights change keeps their memory (graphs captured over them stay valid) and their values follow."""
-    cfg = ModelConfig.from_hf_dict(tiny_hf_config("qwen2").to_dict())  # q/k/v biases
+    cfg = ModelConfig.from_hf_dict(tiny_hf_config("qwen2").to_dict())  # q/k/v biases, untied head
     model = build_model(cfg, shard_for(cfg, L("d1p1t1@0"), 0), None, "cpu", torch.float32)
     for p in model.parameters():
         torch.nn.init.normal_(p)
-    model.fuse_projections(True)
-    attn = model.model.layers["0"].self_attn
-    pointers = (attn.fused_qkv[0].data_ptr(), attn.fused_qkv[1].data_ptr())
+    model.make_decode_weights(transposed)
+    attn, mlp = model.model.layers["0"].self_attn, model.model.layers["0"].mlp
+    copies = [attn.decode_qkv.weight, attn.decode_qkv.bias, mlp.decode_gate_up.weight]
+    if transposed:
+        copies += [attn.o_proj.decode_weight.weight, mlp.down_proj.decode_weight.weight, model.decode_head.weight]
+    pointers = [t.data_ptr() for t in copies]
     with torch.no_grad():
-        attn.k_proj.weight.add_(1.0)
-        attn.v_proj.bias.add_(2.0)
-    model.fuse_projections(True)
-    assert (attn.fused_qkv[0].data_ptr(), attn.fused_qkv[1].data_ptr()) == pointers and model.projections_fused
-    assert torch.equal(attn.fused_qkv[0], torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
-    assert torch.equal(attn.fused_qkv[1], torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
-    model.fuse_projections(False)
-    assert not model.projections_fused
+        for p in model.parameters():
+            p.add_(1.0)
+    model.refresh_decode_weights()
+    assert [t.data_ptr() for t in copies] == pointers
+    assert model.decode_weights_layout == ("transposed" if transposed else "concatenated")
+
+    def stored(w):
+        return w.t() if transposed else w
+    assert torch.equal(stored(attn.decode_qkv.weight),
+                       torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(attn.decode_qkv.bias, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
+    assert torch.equal(stored(mlp.decode_gate_up.weight), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    if transposed:
+        assert torch.equal(attn.o_proj.decode_weight.weight.t(), attn.o_proj.weight)
+        assert torch.equal(mlp.down_proj.decode_weight.weight.t(), mlp.down_proj.weight)
+        assert torch.equal(model.decode_head.weight.t(), model.lm_head.weight)
+        assert attn.o_proj.decode_weight.weight.is_contiguous()
+    else:
+        assert attn.o_proj.decode_weight is None and model.decode_head is None
+    # Without gradients the forward reads the copies, with gradients the parameters: the same values.
+    ids = torch.tensor([[3, 5, 7, 9]])
+    positions = torch.arange(4)[None]
+    with torch.no_grad():
+        decoded = model.logits(model(ids, positions))
+    trained = model.logits(model(ids, positions))
+    torch.testing.assert_close(decoded, trained, rtol=1e-5, atol=1e-4)
+    model.drop_decode_weights()
+    assert model.decode_weights_layout is None and model.decode_head is None
 
 
 def test_step_times_from_a_planner_profile_or_measured_steps(tmp_path):

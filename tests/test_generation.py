@@ -73,6 +73,26 @@ def test_greedy_matches_transformers_under_every_layout(pool, checkpoints, case)
                 torch.testing.assert_close(torch.tensor(logprobs), expected_lp, atol=LOGPROB_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("case", ["qwen2_bias", "qwen3_tied"])
+def test_transposed_decode_weights_match_transformers(pool, checkpoints, case):
+    """Decoding from weights stored transposed (q/k/v and o, gate/up and down, the head; with
+    q/k/v biases, a tied and a tp-padded vocabulary) gives transformers' greedy tokens."""
+    kwargs = dict(FAMILIES[case])
+    path = checkpoints.get(case, kwargs.pop("family"), **kwargs)
+    ids = prompts(kwargs.get("vocab_size", 128))
+    params = [dict(max_new_tokens=NEW_TOKENS, temperature=0.0)] * len(ids)
+    layouts = ["d1p1t1@0", "d1p1t2@0-1"]
+    results = merged(pool, path, layouts, ids, params, 1, dict(max_seq_len=64, transposed_weights=True))
+    assert sorted(results) == layouts
+    for i, prompt in enumerate(ids):
+        expected = hf_greedy(path, prompt, NEW_TOKENS)
+        expected_lp = hf_logprobs(path, prompt, expected)
+        for layout, outputs in results.items():
+            tokens, logprobs, _ = outputs[i]
+            assert tokens == expected, f"{case} {layout} prompt {i}"
+            torch.testing.assert_close(torch.tensor(logprobs), expected_lp, atol=LOGPROB_ATOL, rtol=0)
+
+
 def test_sampled_tokens_do_not_depend_on_layout_or_batch(pool, checkpoints):
     """Noise is a function of (seed, position, vocabulary index): the same seeds give the same
     tokens under every layout, and a request alone gives what it gave inside a batch."""

@@ -61,6 +61,10 @@ class EngineConfig:
     # default. Which one is faster depends on the shape and batch (see BENCHMARKS.md); fixed per
     # run, not timed at run time, so that a seed gives the same tokens in every run.
     blas_library: str | None = None
+    # Decode products read their weights stored transposed ([in, out]): other cuBLAS kernels, on
+    # H200 faster up to ~64 rows and slower at 256 (see BENCHMARKS.md), for a copy of o, down and
+    # the LM head. On CPU only this option makes decode copies at all (to test the path).
+    transposed_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ("auto", *ATTENTION):
@@ -148,8 +152,8 @@ class Engine:
                              f"{cfg.max_position_embeddings}")
         max_len = self.max_seq_len - 1  # the last token of a full sequence is never fed back
         self.release_cache()
-        if self.device.type == "cuda":  # fresh copies of the current weights, before sizing the cache
-            self.model.fuse_projections(True)
+        if self._decode_copies:  # fresh copies of the current weights, before sizing the cache
+            self.model.make_decode_weights(config.transposed_weights)
         budget = kv_cache_bytes or config.kv_cache_bytes or self._default_budget(max_len)
         self.cache = KVCache.for_model(cfg, shard, budget_bytes=budget, max_len=max_len,
                                        max_slots=config.max_batch_size, dtype=self.dtype, device=self.device)
@@ -169,8 +173,8 @@ class Engine:
                              f"{first.device} does not fit this model shard ({shard.num_kv_heads} KV heads of "
                              f"{self.model.cfg.head_dim}, {self.dtype} on {self.device})")
         self.cache, self.max_seq_len = cache, cache.max_len + 1
-        if self.device.type == "cuda" and not self.model.projections_fused:  # as reset_cache does
-            self.model.fuse_projections(True)
+        if self._decode_copies and self.model.decode_weights_layout != self._decode_layout:  # as reset_cache
+            self.model.make_decode_weights(self.config.transposed_weights)
         self._make_decode()
 
     def _make_decode(self) -> None:
@@ -191,9 +195,19 @@ class Engine:
         if self._launched is not None:
             raise RuntimeError("cannot release the KV cache with a decode step in flight; flush or evict first")
         self.cache = self.decode = None
-        self.model.fuse_projections(False)
+        self.model.drop_decode_weights()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    @property
+    def _decode_copies(self) -> bool:
+        """Whether decoding reads copies of the weights (``Transformer.make_decode_weights``):
+        always on GPUs (q/k/v and gate/up concatenated), on CPU with ``transposed_weights``."""
+        return self.device.type == "cuda" or self.config.transposed_weights
+
+    @property
+    def _decode_layout(self) -> str:
+        return "transposed" if self.config.transposed_weights else "concatenated"
 
     def _default_budget(self, max_len: int) -> int:
         cfg, shard, config = self.model.cfg, self.model.shard, self.config

@@ -21,6 +21,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from shardflow.models.config import ModelConfig, rope_inv_freq
+from shardflow.models.decode_weights import DecodeWeight, set_decode_weight
 from shardflow.parallel.comm import copy_to_tp
 from shardflow.parallel.sharding import RankShard
 from shardflow.parallel.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
@@ -77,13 +78,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.fused_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see fuse_projections
+        self.decode_qkv: DecodeWeight | None = None  # see Transformer.make_decode_weights
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn | None) -> torch.Tensor:
         B, T, _ = x.shape
         x = copy_to_tp(x, self.group)
-        if self.fused_qkv is not None and not torch.is_grad_enabled():
-            q, k, v = F.linear(x, *self.fused_qkv).split(
+        if self.decode_qkv is not None and not torch.is_grad_enabled():
+            q, k, v = self.decode_qkv(x).split(
                 [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                  self.num_kv_heads * self.head_dim], dim=-1)
         else:
@@ -113,12 +114,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(H, inter, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(H, inter, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(inter, H, cfg.mlp_bias, group)
-        self.fused_gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see fuse_projections
+        self.decode_gate_up: DecodeWeight | None = None  # see Transformer.make_decode_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.group)
-        if self.fused_gate_up is not None and not torch.is_grad_enabled():
-            gate, up = F.linear(x, *self.fused_gate_up).chunk(2, dim=-1)
+        if self.decode_gate_up is not None and not torch.is_grad_enabled():
+            gate, up = self.decode_gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -167,6 +168,7 @@ class Transformer(nn.Module):
             elif "lm_head.weight" in shard.tensors:
                 self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        self.decode_head: DecodeWeight | None = None  # see make_decode_weights
         # Real (unpadded) vocabulary rows held here; logits past them are masked to -inf.
         self.real_vocab = max(0, min(shard.vocab_size, cfg.vocab_size - shard.vocab_start))
 
@@ -228,33 +230,42 @@ class Transformer(nn.Module):
         return True
 
     @torch.no_grad()
-    def fuse_projections(self, enable: bool = True) -> None:
-        """Keep concatenated copies of the q/k/v and gate/up weights (``enable``) or drop them.
-
-        Decoding reads every weight once per token, so one matrix-vector product over the
-        concatenation beats three (or two) small ones. The copies are snapshots: refresh them after
-        the weights change by calling this again, which rewrites existing copies in place (so that
-        CUDA graphs captured over them stay valid). Forward passes that record gradients always use
-        the separate weights.
-        """
-        def cat(old, *linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-            weights = [m.weight for m in linears]
+    def make_decode_weights(self, transposed: bool = False) -> None:
+        """Make (or refresh in place) the copies that forward passes without gradients read: the
+        q/k/v and gate/up weights concatenated, and with ``transposed`` every decode product's
+        weight stored [in, out] (see ``models.decode_weights``). Call again after the weights
+        change; CUDA graphs captured over the copies stay valid while the layout stays."""
+        def params(*linears: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
             biases = [m.bias for m in linears] if linears[0].bias is not None else None
-            if old is None:
-                return torch.cat(weights), torch.cat(biases) if biases else None
-            torch.cat(weights, out=old[0])
-            if biases:
-                torch.cat(biases, out=old[1])
-            return old
+            return [m.weight for m in linears], biases
 
         for layer in self.model.layers.values():
             attn, mlp = layer.self_attn, layer.mlp
-            attn.fused_qkv = cat(attn.fused_qkv, attn.q_proj, attn.k_proj, attn.v_proj) if enable else None
-            mlp.fused_gate_up = cat(mlp.fused_gate_up, mlp.gate_proj, mlp.up_proj) if enable else None
+            attn.decode_qkv = set_decode_weight(attn.decode_qkv, *params(attn.q_proj, attn.k_proj, attn.v_proj),
+                                                transposed)
+            mlp.decode_gate_up = set_decode_weight(mlp.decode_gate_up, *params(mlp.gate_proj, mlp.up_proj), transposed)
+            for row in (attn.o_proj, mlp.down_proj):  # their bias is added after the tp all-reduce
+                row.decode_weight = set_decode_weight(row.decode_weight, [row.weight], None, True) if transposed else None
+        if self.shard.last_stage and self.score is None:
+            self.decode_head = (set_decode_weight(self.decode_head, [self.head_weight()], None, True)
+                                if transposed else None)
+
+    def refresh_decode_weights(self) -> None:
+        """Rewrite the decode copies from the current weights, in place (a no-op without copies)."""
+        if self.decode_weights_layout is not None:
+            self.make_decode_weights(self.decode_weights_layout == "transposed")
+
+    def drop_decode_weights(self) -> None:
+        for layer in self.model.layers.values():
+            layer.self_attn.decode_qkv = layer.mlp.decode_gate_up = None
+            layer.self_attn.o_proj.decode_weight = layer.mlp.down_proj.decode_weight = None
+        self.decode_head = None
 
     @property
-    def projections_fused(self) -> bool:
-        return any(layer.self_attn.fused_qkv is not None for layer in self.model.layers.values())
+    def decode_weights_layout(self) -> str | None:
+        """None without decode copies, else "transposed" or "concatenated"."""
+        first = next((layer.self_attn.decode_qkv for layer in self.model.layers.values()), None)
+        return None if first is None else "transposed" if first.transposed else "concatenated"
 
     # ----- heads (last stage) -----------------------------------------------------------
 
@@ -267,7 +278,11 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Local vocabulary logits [..., V] (vocabulary padding masked to -inf)."""
-        logits = F.linear(copy_to_tp(hidden, self.tp_group), self.head_weight())
+        hidden = copy_to_tp(hidden, self.tp_group)
+        if self.decode_head is not None and not torch.is_grad_enabled():
+            logits = self.decode_head(hidden)
+        else:
+            logits = F.linear(hidden, self.head_weight())
         if self.real_vocab < logits.shape[-1]:
             pad = torch.arange(logits.shape[-1], device=logits.device) >= self.real_vocab
             logits = logits.masked_fill(pad, float("-inf"))

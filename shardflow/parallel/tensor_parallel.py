@@ -8,6 +8,8 @@ log-probabilities, so that full-vocabulary logits never sit on one rank.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,9 +26,12 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_local))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
         self.group = group
+        # A copy of the weight that forward passes without gradients read (Transformer.make_decode_weights).
+        self.decode_weight: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        decode = self.decode_weight is not None and not torch.is_grad_enabled()
+        y = reduce_from_tp(self.decode_weight(x) if decode else F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
 

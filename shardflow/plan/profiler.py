@@ -172,7 +172,7 @@ def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, d
     # The engine decodes with fused q/k/v and gate/up copies on GPUs and compiles its whole decode
     # step at tp=1: so does the layer's share of it here.
     if device.type == "cuda":
-        model.fuse_projections(True)
+        model.make_decode_weights()
     decode = compiled_or_eager(decode_layer, "the profiled decode layer", dynamic=True) if compiled else decode_layer
     rows: list[list[float | None]] = []
     for batch in grid.batches:

@@ -293,4 +293,5 @@ def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int, de
         compile=gen.compile and device.type == "cuda" and layout.tp == 1,
         compile_mode=gen.compile_mode,
         blas_library=(gen.blas_library or None) if device.type == "cuda" else None,
+        transposed_weights=gen.transposed_weights and device.type == "cuda",
     )

@@ -128,8 +128,9 @@ class AdaptiveGenerator:
 
         # Engines: the start engine owns the KV cache; every rank gets the same number of slots
         # (admission decisions depend on it), then each target decodes into a regrouped view. On
-        # GPUs every engine decodes with fused q/k/v and gate/up copies (``fuse_projections``): the
+        # GPUs every engine decodes with copies of the weights (``make_decode_weights``): the
         # targets' are made first, so that the cache is sized after them.
+        self._engine_config = engine_config
         self._fuse_targets()
         first = Engine(model, engine_config, eos_token_ids=eos_token_ids)
         self.engines: dict[Layout, Engine] = {start: first}
@@ -171,8 +172,8 @@ class AdaptiveGenerator:
                                  f"got {step!r} -> {(target, mode)!r}")
         self._ensure_cache()
         for layout, model in self.models.items():  # the weights may have changed since the last generation
-            if model.projections_fused and layout not in self.weight_bytes:
-                model.fuse_projections(True)  # refreshed in place: captured graphs stay valid
+            if layout not in self.weight_bytes:
+                model.refresh_decode_weights()  # in place: captured graphs stay valid
         self._refresh_graphs()
         max_new = max((r.params.max_new_tokens for r in requests), default=1)
         decider = self._decider(max_new) if rank == self.decider_rank and schedule is None else None
@@ -325,8 +326,7 @@ class AdaptiveGenerator:
 
         if target in self.weight_bytes:  # does not nest: the start model's weights, reallocated
             refill(self.world, cfg, self.models[self.chain[0]], target, self.models[target])
-            if self.models[target].projections_fused:
-                self.models[target].fuse_projections(True)
+            self.models[target].refresh_decode_weights()
         t1 = time.perf_counter()
 
         active, waiting = old.detach(finished)
@@ -458,9 +458,10 @@ class AdaptiveGenerator:
             first.reset_cache(max_seq_len=first.max_seq_len, kv_cache_bytes=(int(slots) + 1) * per_slot)
 
     def _fuse_targets(self) -> None:
-        if self.device.type == "cuda":
+        transposed = self._engine_config.transposed_weights
+        if self.device.type == "cuda" or transposed:
             for layout in self.chain[1:]:
-                self.models[layout].fuse_projections(True)
+                self.models[layout].make_decode_weights(transposed)
 
     def _heads(self, layout: Layout) -> int:
         return shard_for(self.cfg, layout, self.world.rank).num_kv_heads
