@@ -70,6 +70,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "autotuned kernels, much longer compilation)")
     p.add_argument("--blas-library", choices=BLAS_LIBRARIES, default=None,
                    help="BLAS library of the decode step's products (GPU; default: torch's)")
+    p.add_argument("--transposed-weights", action="store_true",
+                   help="decode products read their weights stored transposed (GPU; other cuBLAS kernels, "
+                        "faster at small batches, for a copy of o, down and the LM head)")
     p.set_defaults(run=run)
 
 
@@ -92,6 +95,8 @@ def prepare(args: argparse.Namespace) -> Job:
         raise ValueError(f"{model} is a value model ({cfg.architecture}); it cannot generate")
     if args.blas_library is not None and not torch.cuda.is_available():
         raise ValueError(f"--blas-library {args.blas_library} needs a GPU; this machine has none")
+    if args.transposed_weights and not torch.cuda.is_available():
+        raise ValueError("--transposed-weights needs a GPU; this machine has none")
     if args.samples_per_prompt < 1 or args.chunk_prompts < 1:
         raise ValueError("--samples-per-prompt and --chunk-prompts must be positive")
     limit = args.max_seq_len or cfg.max_position_embeddings
@@ -109,7 +114,8 @@ def prepare(args: argparse.Namespace) -> Job:
     # Every KV slot holds max_seq_len positions: no more than the longest request can use.
     max_seq_len = min(limit, max(len(p) for p in prompts) + args.max_new_tokens)
     engine = EngineConfig(max_seq_len=max_seq_len, max_batch_size=args.max_batch_size, compile=args.compile,
-                          compile_mode=args.compile_mode, blas_library=args.blas_library)
+                          compile_mode=args.compile_mode, blas_library=args.blas_library,
+                          transposed_weights=args.transposed_weights)
     return Job(model=str(model), layout=str(layout), output=args.output, dtype=args.dtype, engine=engine,
                records=records, requests=requests, samples_per_prompt=args.samples_per_prompt,
                chunk_prompts=args.chunk_prompts)

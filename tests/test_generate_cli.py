@@ -59,6 +59,8 @@ def test_round_trip_under_two_replicas(checkpoints, tmp_path):
     (['{"prompt": "ok"}'], ["--top-p", "0"], r"top_p must be in \(0, 1\]"),
     pytest.param(['{"prompt": "ok"}'], ["--blas-library", "cublaslt"], r"--blas-library cublaslt needs a GPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there")),
+    pytest.param(['{"prompt": "ok"}'], ["--transposed-weights"], r"--transposed-weights needs a GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there")),
 ])
 def test_bad_input_fails_before_any_rank_starts_and_keeps_the_output(checkpoints, tmp_path, capsys, lines,
                                                                       extra, message):
