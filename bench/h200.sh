@@ -13,11 +13,13 @@
 #                         transposed, then as stored
 #   bench/h200.sh OUT g   parity of the fast path with the weights transposed; the GRPO iteration
 #                         (no TRL) with them, then without
+#   bench/h200.sh OUT h   batch 64 x 1K with the weights transposed under cuBLASLt, then cuBLAS; batch
+#                         1, 16 and 64 x 8K with the weights transposed, then as stored
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
-OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g}
-PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g}
+OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h}
+PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORK=$(mktemp -d)
 LOG=$OUT/log.txt
@@ -81,6 +83,19 @@ case $PART in
       --set generation.transposed_weights=true
     mv "$OUT/iteration.json" "$OUT/iteration_transposed.json" 2>/dev/null
     run iteration 200 iteration.json python3 bench/iteration.py --iterations 3 --skip-trl --skip-planner
+    ;;
+  h)
+    run transposed_lt 120 generation.json python3 bench/generation.py --batches 64 --contexts 1024 --steps 24 \
+      --skip-transformers --skip-parity --transposed-weights --blas-library cublaslt
+    mv "$OUT/generation.json" "$OUT/generation_transposed_lt.json" 2>/dev/null
+    run transposed_64 120 generation.json python3 bench/generation.py --batches 64 --contexts 1024 --steps 24 \
+      --skip-transformers --skip-parity --transposed-weights
+    mv "$OUT/generation.json" "$OUT/generation_transposed_64.json" 2>/dev/null
+    run transposed_8k 170 generation.json python3 bench/generation.py --batches 1,16,64 --contexts 8192 --steps 24 \
+      --skip-transformers --skip-parity --transposed-weights
+    mv "$OUT/generation.json" "$OUT/generation_transposed_8k.json" 2>/dev/null
+    run as_stored_8k 170 generation.json python3 bench/generation.py --batches 1,16,64 --contexts 8192 --steps 24 \
+      --skip-transformers --skip-parity
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40
