@@ -146,6 +146,22 @@ def test_rank_params_match_the_sharding_spec():
                 assert mem.rank_params(cfg, pp, tp) == brute, (cfg.family, pp, tp)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_decode_copy_bytes_match_the_copies_the_model_makes(transposed):
+    import torch
+
+    from shardflow.models.transformer import build_model
+    for cfg in (tiny("llama"), tiny("qwen3", tie_word_embeddings=True)):
+        for tp in (1, 2):
+            model = build_model(cfg, shard_for(cfg, Layout.contiguous(tp=tp), 0), None, "cpu", torch.bfloat16)
+            model.make_decode_weights(transposed)
+            copies = [m for layer in model.model.layers.values()
+                      for m in (layer.self_attn.decode_qkv, layer.mlp.decode_gate_up, layer.self_attn.o_proj.decode_weight,
+                                layer.mlp.down_proj.decode_weight)] + [model.decode_head]
+            made = sum(c.weight.numel() * c.weight.element_size() for c in copies if c is not None)
+            assert mem.decode_copy_bytes(cfg, tp, mem.Precision(), transposed) == made, (cfg.family, tp)
+
+
 def _masks(cfg: ModelConfig, layout: Layout, rank: int) -> dict[str, np.ndarray]:
     """Which elements of each full checkpoint tensor a rank holds (a tied head counts as its source)."""
     out: dict[str, np.ndarray] = {}

@@ -84,6 +84,7 @@ def _place(problem: Problem, call: Call, choice: Choice, home: Layout, resident:
     slots = None
     if call.kind is Kind.GENERATE:
         extra += mem.prefill_activation_bytes(cfg, layout.tp, _prefill_tokens(problem, layout), p)
+        extra += mem.decode_copy_bytes(cfg, layout.tp, p, problem.transposed_weights)
         per_slot = mem.kv_bytes_per_slot(cfg, layout.tp, problem.workload.max_tokens, p)
         budget = usable - resident - extra
         if problem.kv_cache_bytes is not None:

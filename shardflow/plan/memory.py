@@ -69,6 +69,18 @@ def weight_bytes(cfg: ModelConfig, layout: AnyLayout, p: Precision) -> float:
     return rank_params(cfg, layout.pp, layout.tp) * p.param_bytes
 
 
+def decode_copy_bytes(cfg: ModelConfig, tp: int, p: Precision, transposed: bool) -> float:
+    """The copies of its weights a generating rank decodes from on GPUs (``models.decode_weights``):
+    q/k/v and gate/up concatenated; with ``transposed`` also o, down and the LM head (biases left out)."""
+    s = layer_shape(cfg, tp)
+    per_layer = (s.q_dim + 2 * s.kv_dim + 2 * s.inter) * s.hidden
+    head = 0
+    if transposed:
+        per_layer += (s.q_dim + s.inter) * s.hidden
+        head = head_shape(cfg, tp).vocab * s.hidden
+    return (cfg.num_layers * per_layer + head) * p.param_bytes
+
+
 def trained_state_bytes(cfg: ModelConfig, layout: AnyLayout, p: Precision) -> float:
     """Weights, gradients and optimizer state of a trained model in its home layout."""
     return rank_params(cfg, layout.pp, layout.tp) * p.trained_bytes

@@ -44,6 +44,7 @@ class Problem:
     checkpointing: dict[str, bool] = field(default_factory=dict)  # role -> recompute activations
     offload: dict[str, bool] = field(default_factory=dict)  # frozen role -> weights in CPU memory
     kv_cache_bytes: float | None = None  # per rank; None = whatever memory is left
+    transposed_weights: bool = False  # generation decodes from transposed copies (GenerationConfig)
     iterations: int = 3  # simulated
 
     def __post_init__(self) -> None:
@@ -132,6 +133,7 @@ def problem_from_config(config: ExperimentConfig, cluster: Cluster, *, config_fi
         checkpointing={r: config.models[r].gradient_checkpointing for r in models},
         offload={r: config.models[r].offload for r in models},
         kv_cache_bytes=kv * 2**30 if kv > 0 else None,
+        transposed_weights=config.generation.transposed_weights,
         iterations=iterations,
     )
 

@@ -92,7 +92,8 @@ class Space:
             return (mem.trained_state_bytes(cfg, layout, p)
                     + mem.train_activation_bytes(cfg, layout, tokens, k, problem.checkpointing.get(call.model, False), p))
         if call.kind is Kind.GENERATE:
-            return mem.weight_bytes(cfg, layout, p) + mem.kv_bytes_per_slot(cfg, layout.tp, problem.workload.max_tokens, p)
+            return (mem.weight_bytes(cfg, layout, p) + mem.decode_copy_bytes(cfg, layout.tp, p, problem.transposed_weights)
+                    + mem.kv_bytes_per_slot(cfg, layout.tp, problem.workload.max_tokens, p))
         k = self.micro_options(call, layout)[-1]
         tokens = problem.tokens_per_micro_batch(call, layout, k)
         return mem.weight_bytes(cfg, layout, p) + mem.inference_activation_bytes(cfg, layout, tokens, p)
