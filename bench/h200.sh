@@ -15,11 +15,13 @@
 #                         (no TRL) with them, then without
 #   bench/h200.sh OUT h   batch 64 x 1K with the weights transposed under cuBLASLt, then cuBLAS; batch
 #                         1, 16 and 64 x 8K with the weights transposed, then as stored
+#   bench/h200.sh OUT i   batch 1, 64 and 256 x 1K with the weights transposed under cuBLASLt, then
+#                         the default; the GRPO iteration (no TRL) with both options
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
-OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h}
-PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h}
+OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i}
+PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORK=$(mktemp -d)
 LOG=$OUT/log.txt
@@ -96,6 +98,15 @@ case $PART in
     mv "$OUT/generation.json" "$OUT/generation_transposed_8k.json" 2>/dev/null
     run as_stored_8k 170 generation.json python3 bench/generation.py --batches 1,16,64 --contexts 8192 --steps 24 \
       --skip-transformers --skip-parity
+    ;;
+  i)
+    run transposed_lt 200 generation.json python3 bench/generation.py --batches 1,64,256 --contexts 1024 --steps 24 \
+      --skip-transformers --skip-parity --transposed-weights --blas-library cublaslt
+    mv "$OUT/generation.json" "$OUT/generation_transposed_lt.json" 2>/dev/null
+    run default 200 generation.json python3 bench/generation.py --batches 1,64,256 --contexts 1024 --steps 24 \
+      --skip-transformers --skip-parity
+    run iteration_transposed_lt 200 iteration.json python3 bench/iteration.py --iterations 3 --skip-trl \
+      --skip-planner --set generation.transposed_weights=true --set generation.blas_library=cublaslt
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40
