@@ -36,6 +36,16 @@ run() {  # name, time limit in seconds, files to keep (comma-separated), command
   echo "== $name exit $? ($(date +%T))" | tee -a "$LOG"
   for f in ${keep//,/ }; do cp "$WORK/$name/$f" "$OUT/" 2>/dev/null; done  # at most 8 files come back
 }
+engine() {  # name, time limit, bench/generation.py arguments: the engine alone, kept as generation_NAME.json
+  local name=$1 limit=$2; shift 2
+  run "$name" "$limit" generation.json python3 bench/generation.py --steps 24 --skip-transformers --skip-parity "$@"
+  mv "$OUT/generation.json" "$OUT/generation_$name.json" 2>/dev/null
+}
+iteration() {  # name, --set overrides: the GRPO iteration without TRL, kept as iteration_NAME.json
+  local name=$1; shift
+  run "iteration_$name" 200 iteration.json python3 bench/iteration.py --iterations 3 --skip-trl --skip-planner "$@"
+  mv "$OUT/iteration.json" "$OUT/iteration_$name.json" 2>/dev/null
+}
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers",
 transformers.__version__, "triton", triton.__version__)'; } >> "$LOG" 2>&1
@@ -71,42 +81,26 @@ case $PART in
     mv "$OUT/decode_profile.json" "$OUT/decode_sweep_qwen.json" 2>/dev/null
     ;;
   f)
-    run transposed 270 generation.json python3 bench/generation.py --batches 1,64,256 --contexts 1024 --steps 24 \
-      --skip-transformers --skip-parity --transposed-weights
-    mv "$OUT/generation.json" "$OUT/generation_transposed.json" 2>/dev/null
-    run as_stored 270 generation.json python3 bench/generation.py --batches 1,64,256 --contexts 1024 --steps 24 \
-      --skip-transformers --skip-parity
+    engine transposed 270 --batches 1,64,256 --contexts 1024 --transposed-weights
+    engine as_stored 270 --batches 1,64,256 --contexts 1024
     ;;
   g)
     run parity 150 generation.json python3 bench/generation.py --batches 1 --contexts 1024 --steps 8 \
       --skip-transformers --transposed-weights
     mv "$OUT/generation.json" "$OUT/parity_transposed.json" 2>/dev/null
-    run iteration_transposed 200 iteration.json python3 bench/iteration.py --iterations 3 --skip-trl --skip-planner \
-      --set generation.transposed_weights=true
-    mv "$OUT/iteration.json" "$OUT/iteration_transposed.json" 2>/dev/null
-    run iteration 200 iteration.json python3 bench/iteration.py --iterations 3 --skip-trl --skip-planner
+    iteration transposed --set generation.transposed_weights=true
+    iteration as_stored
     ;;
   h)
-    run transposed_lt 120 generation.json python3 bench/generation.py --batches 64 --contexts 1024 --steps 24 \
-      --skip-transformers --skip-parity --transposed-weights --blas-library cublaslt
-    mv "$OUT/generation.json" "$OUT/generation_transposed_lt.json" 2>/dev/null
-    run transposed_64 120 generation.json python3 bench/generation.py --batches 64 --contexts 1024 --steps 24 \
-      --skip-transformers --skip-parity --transposed-weights
-    mv "$OUT/generation.json" "$OUT/generation_transposed_64.json" 2>/dev/null
-    run transposed_8k 170 generation.json python3 bench/generation.py --batches 1,16,64 --contexts 8192 --steps 24 \
-      --skip-transformers --skip-parity --transposed-weights
-    mv "$OUT/generation.json" "$OUT/generation_transposed_8k.json" 2>/dev/null
-    run as_stored_8k 170 generation.json python3 bench/generation.py --batches 1,16,64 --contexts 8192 --steps 24 \
-      --skip-transformers --skip-parity
+    engine transposed_lt 120 --batches 64 --contexts 1024 --transposed-weights --blas-library cublaslt
+    engine transposed_64 120 --batches 64 --contexts 1024 --transposed-weights
+    engine transposed_8k 170 --batches 1,16,64 --contexts 8192 --transposed-weights
+    engine as_stored_8k 170 --batches 1,16,64 --contexts 8192
     ;;
   i)
-    run transposed_lt 200 generation.json python3 bench/generation.py --batches 1,64,256 --contexts 1024 --steps 24 \
-      --skip-transformers --skip-parity --transposed-weights --blas-library cublaslt
-    mv "$OUT/generation.json" "$OUT/generation_transposed_lt.json" 2>/dev/null
-    run default 200 generation.json python3 bench/generation.py --batches 1,64,256 --contexts 1024 --steps 24 \
-      --skip-transformers --skip-parity
-    run iteration_transposed_lt 200 iteration.json python3 bench/iteration.py --iterations 3 --skip-trl \
-      --skip-planner --set generation.transposed_weights=true --set generation.blas_library=cublaslt
+    engine transposed_lt 200 --batches 1,64,256 --contexts 1024 --transposed-weights --blas-library cublaslt
+    engine default 200 --batches 1,64,256 --contexts 1024
+    iteration transposed_lt --set generation.transposed_weights=true --set generation.blas_library=cublaslt
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40
