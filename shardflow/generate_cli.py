@@ -72,7 +72,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="BLAS library of the decode step's products (GPU; default: torch's)")
     p.add_argument("--transposed-weights", action="store_true",
                    help="decode products read their weights stored transposed (GPU; other cuBLAS kernels, "
-                        "faster at small batches, for a copy of o, down and the LM head)")
+                        "1-3%% faster steps on H200, for a copy of o, down and the LM head)")
     p.set_defaults(run=run)
 
 

@@ -62,8 +62,8 @@ class EngineConfig:
     # run, not timed at run time, so that a seed gives the same tokens in every run.
     blas_library: str | None = None
     # Decode products read their weights stored transposed ([in, out]): other cuBLAS kernels, on
-    # H200 faster up to ~64 rows and slower at 256 (see BENCHMARKS.md), for a copy of o, down and
-    # the LM head. On CPU only this option makes decode copies at all (to test the path).
+    # H200 1-3% faster steps (see BENCHMARKS.md), for a copy of o, down and the LM head (memory the
+    # KV cache then lacks). On CPU only this option makes decode copies at all (to test the path).
     transposed_weights: bool = False
 
     def __post_init__(self) -> None:

@@ -5,8 +5,8 @@ speed at small batches:
 - q/k/v and gate/up are concatenated, so one product over the concatenation replaces three (or
   two) small ones (made on GPUs always);
 - optionally every decode product (q/k/v, o, gate/up, down, LM head) reads its weight stored
-  transposed, [in, out] (``x @ w``), for which cuBLAS picks other kernels (on H200 faster up to
-  about 64 rows, slower at 256: see BENCHMARKS.md). This costs a copy of o, down and the head
+  transposed, [in, out] (``x @ w``), for which cuBLAS picks other kernels (on H200 decode steps
+  1-3% faster from batch 1 to 256: see BENCHMARKS.md). This costs a copy of o, down and the head
   besides the concatenations.
 
 Copies are snapshots: ``refresh`` rewrites them in place after the weights change, so CUDA graphs
