@@ -158,11 +158,14 @@ def test_a_switch_that_does_not_fit_is_refused_until_it_fits(pool, checkpoints):
     assert [s[:2] for s in result["too full"]["switches"]] == [(9, "d1p1t4@0-3")]
 
 
-def test_layouts_that_do_not_nest_reallocate_the_weights(pool, checkpoints):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_layouts_that_do_not_nest_reallocate_the_weights(pool, checkpoints, transposed):
     """The target's own weights are filled by reallocation at each switch; between generations the
-    generator releases them with the KV cache, as the runtime does."""
+    generator releases them with the KV cache, as the runtime does. With ``transposed`` every
+    engine decodes from transposed copies, which must follow the reallocated weights."""
     runs = {"migrate": {2: ("d1p1t4@0-3", "migrate")}, "recompute": {4: ("d1p1t4@0-3", "recompute")}}
-    result = run(pool, checkpoints, "llama", "d2p1t2@0-3", ["d1p1t4@0-3"], runs, params=MIXED, release=True)
+    result = run(pool, checkpoints, "llama", "d2p1t2@0-3", ["d1p1t4@0-3"], runs, params=MIXED, release=True,
+                 engine_kwargs=dict(transposed_weights=transposed))
     for name in runs:
         assert len(result[name]["switches"]) == 1 and result[name]["weight_bytes"][0] > 0
 
