@@ -35,6 +35,29 @@ def make_batch(vocab: int, num: int = 10, seed: int = 0) -> SequenceBatch:
     )
 
 
+def make_group_batch(vocab: int, prompts: int = 3, samples: int = 4, seed: int = 0) -> SequenceBatch:
+    """``prompts`` prompts of 2 to 8 tokens with ``samples`` responses of 1 to 11 tokens each, the
+    sequences shuffled (so that a prompt's samples are not neighbours), with the fields of
+    ``make_batch``."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for _ in range(prompts):
+        p = int(torch.randint(2, 9, (1,), generator=g))
+        prompt = torch.randint(3, vocab, (p,), generator=g)
+        for _ in range(samples):
+            r = int(torch.randint(1, 12, (1,), generator=g))
+            seqs.append((torch.cat([prompt, torch.randint(3, vocab, (r,), generator=g)]), p))
+    seqs = [seqs[i] for i in torch.randperm(len(seqs), generator=g).tolist()]
+    fields = {
+        "input_ids": [ids for ids, _ in seqs],
+        "loss_mask": [(torch.arange(len(ids)) >= p).float() for ids, p in seqs],
+        "advantages": [torch.randn(len(ids), generator=g) for ids, _ in seqs],
+        "returns": [torch.randn(len(ids), generator=g) for ids, _ in seqs],
+    }
+    return SequenceBatch.from_lists(range(100, 100 + len(seqs)), fields,
+                                    {"prompt_lengths": torch.tensor([p for _, p in seqs])})
+
+
 def replica_share(batch: SequenceBatch, layout: Layout, rank: int) -> SequenceBatch:
     dp = layout.coord(rank).dp
     return batch.select(list(range(dp, len(batch), layout.dp)))

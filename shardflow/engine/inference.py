@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from shardflow.batch import SequenceBatch
-from shardflow.engine.micro_batches import make_micro_batches, split_by_tokens
 from shardflow.engine.outputs import check_outputs, token_outputs
 from shardflow.engine.pipeline import StageLinks, forward_only
+from shardflow.engine.shared_prompts import plan_micro_batches
 from shardflow.models.transformer import Transformer
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
@@ -21,11 +21,13 @@ from shardflow.parallel.world import World
 
 @torch.no_grad()
 def infer(model: Transformer, layout: Layout, world: World, batch: SequenceBatch, what: str, *,
-          micro_batch_tokens: int, temperature: float = 1.0, outputs_at: str | None = None) -> SequenceBatch | None:
+          micro_batch_tokens: int, temperature: float = 1.0, outputs_at: str | None = None,
+          share_prompts: bool = False) -> SequenceBatch | None:
     """``batch`` with a new packed float32 token field ``what`` ("logprobs" or "entropy" for a
     language model, "values" for a value model), aligned as the conventions say, on the last
     stage; None on other stages. ``temperature`` divides the logits (as in sampling).
-    ``outputs_at``: a token field of ``batch`` whose nonzero tokens alone get outputs (0 elsewhere)."""
+    ``outputs_at``: a token field of ``batch`` whose nonzero tokens alone get outputs (0 elsewhere).
+    ``share_prompts``: the samples of a prompt hold one copy of it (see ``engine.shared_prompts``)."""
     check_outputs(model, (what,))
     if model.shard.layout != layout or model.shard.rank != world.rank:
         raise ValueError(f"the model was built for rank {model.shard.rank} of {model.shard.layout}, "
@@ -37,17 +39,18 @@ def infer(model: Transformer, layout: Layout, world: World, batch: SequenceBatch
     shard = model.shard
     param = next(iter(model.parameters()))
     device, dtype = param.device, param.dtype
-    groups = split_by_tokens(batch.lengths, micro_batch_tokens, min_micro_batches=layout.pp)
     if outputs_at is not None and outputs_at not in batch.token_fields:
         raise ValueError(f"inference batch lacks token field {outputs_at!r} (has {sorted(batch.token_fields)})")
     fields = ("input_ids",) if outputs_at is None else ("input_ids", outputs_at)
     needed = SequenceBatch(batch.sample_ids, batch.lengths, {k: batch.token_fields[k] for k in fields})
-    micro = make_micro_batches(needed, groups, device, outputs_at=outputs_at)  # no other field goes to the device
+    groups, micro = plan_micro_batches(  # no other field goes to the device
+        needed, micro_batch_tokens, device, min_micro_batches=layout.pp, outputs_at=outputs_at,
+        share_prompts=share_prompts and not model.has_sliding_windows)
     results: list[torch.Tensor] = []  # packed output of each micro-batch (last stage)
 
     def forward_step(i: int, x: torch.Tensor | None) -> torch.Tensor | None:
         mb = micro[i]
-        hidden = model(mb.ids if shard.first_stage else x, mb.positions)  # [B,T,H]
+        hidden = model(mb.ids if shard.first_stage else x, mb.positions, packed=mb.packed)  # [B,T,H]
         if not shard.last_stage:
             return hidden
         results.append(token_outputs(model, hidden, mb, (what,), temperature=temperature)[what])

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from shardflow.batch import SequenceBatch
+from shardflow.models.packed_attention import PackedSequences
 
 
 def split_by_tokens(lengths: Sequence[int] | torch.Tensor, max_tokens: int, *,
@@ -78,9 +79,12 @@ class MicroBatch:
     positions: torch.Tensor  # [B,T]
     token_index: torch.Tensor  # [num_tokens] position of each packed token in the flattened [B*T]
     # The tokens whose outputs are wanted (see ``make_micro_batches``), None for all: their packed
-    # indices [n], and the position in the flattened [B*T] of the hidden state before each.
+    # indices [n], the position in the flattened [B*T] of the hidden state before each, and their ids.
     wanted: torch.Tensor | None = None
     wanted_before: torch.Tensor | None = None
+    wanted_targets: torch.Tensor | None = None
+    # One row of sequences that share prompts (see ``engine.shared_prompts``); None: causal rows.
+    packed: PackedSequences | None = None
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """[B,T,...] -> packed [num_tokens, ...] (the inverse of the padding)."""
@@ -103,19 +107,26 @@ def make_micro_batches(batch: SequenceBatch, groups: list[list[int]], device: to
         rows = torch.repeat_interleave(torch.arange(len(mb)), mb.lengths)  # [num_tokens]
         cols = torch.arange(mb.num_tokens) - torch.repeat_interleave(mb.offsets[:-1], mb.lengths)
         flat = rows * width + cols
-        wanted = wanted_before = None
+        wanted = {}
         if outputs_at is not None:
-            # A sequence's first token has no output (nothing predicts it); indices are built here,
-            # on the host, since a boolean mask indexed on the device waits for it.
             keep = (mb.token_fields[outputs_at].cpu() > 0) & (cols > 0)
             if keep.any():  # else all outputs, zero-weighted by the same field: no empty head call
-                wanted, wanted_before = keep.nonzero()[:, 0].to(device), (flat[keep] - 1).to(device)
+                wanted = wanted_outputs(mb, keep, flat, device)
         out.append(MicroBatch(
             batch=mb.to(device),
             ids=ids.to(device),
             positions=torch.arange(width, device=device).expand(ids.shape),
             token_index=flat.to(device),
-            wanted=wanted,
-            wanted_before=wanted_before,
+            **wanted,
         ))
     return out
+
+
+def wanted_outputs(mb: SequenceBatch, keep: torch.Tensor, flat: torch.Tensor,
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """The ``wanted*`` fields of a micro-batch for the packed tokens ``keep`` (never a sequence's
+    first, which nothing predicts): indices built here, on the host, since a boolean mask indexed
+    on the device waits for it. ``flat``: each packed token's position in the model's rows."""
+    index = keep.nonzero()[:, 0]
+    return {"wanted": index.to(device), "wanted_before": flat[index - 1].to(device),
+            "wanted_targets": mb.token_fields["input_ids"].cpu()[index].to(device)}

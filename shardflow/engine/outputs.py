@@ -36,10 +36,12 @@ def token_outputs(model: Transformer, hidden: torch.Tensor, mb: MicroBatch, name
     Log-probabilities and values carry gradients when grad is enabled; entropy only with
     ``entropy_grad``."""
     if mb.wanted is not None:  # the head on the wanted tokens' hidden states only, 0 elsewhere
-        out = _head_outputs(model, hidden.flatten(0, 1)[mb.wanted_before], mb.ids.flatten()[mb.wanted_before + 1],
+        out = _head_outputs(model, hidden.flatten(0, 1)[mb.wanted_before], mb.wanted_targets,
                             temperature, entropy_grad)  # each [n]
         total = len(mb.token_index)
         return {k: v.new_zeros(total).index_put((mb.wanted,), v) for k, v in out.items() if k in names}
+    if mb.packed is not None:
+        raise ValueError("a micro-batch of shared prompts names its wanted tokens")
     before = hidden[:, :-1]  # [B,T-1,H] hidden states that predict ids[:, 1:]
     out = _head_outputs(model, before, mb.ids[:, 1:], temperature, entropy_grad)  # each [B,T-1]
     return {k: mb.pack(F.pad(v, (1, 0))) for k, v in out.items() if k in names}

@@ -26,10 +26,10 @@ from shardflow.batch import SequenceBatch
 from shardflow.engine.grad_buffer import GradBuffer
 from shardflow.engine.grad_sync import global_grad_norm, sum_partial_tp_grads, sum_tied_embedding_grads
 from shardflow.engine.loss_fn import LossFn
-from shardflow.engine.micro_batches import make_micro_batches, split_by_tokens
 from shardflow.engine.optimizer import AdamW, OptimConfig, lr_at
 from shardflow.engine.outputs import LM_OUTPUTS, VALUE_OUTPUTS, token_outputs
 from shardflow.engine.pipeline import StageLinks, train_1f1b
+from shardflow.engine.shared_prompts import plan_micro_batches
 from shardflow.models.transformer import Transformer
 from shardflow.parallel import comm
 from shardflow.parallel.layout import Layout
@@ -76,19 +76,23 @@ class TrainEngine:
     # ----- one step ----------------------------------------------------------------------
 
     def step(self, batch: SequenceBatch, loss_fn: LossFn, *, micro_batch_tokens: int,
-             temperature: float = 1.0) -> dict[str, float]:
+             temperature: float = 1.0, share_prompts: bool = False) -> dict[str, float]:
         """Forward, backward and one optimizer update over this replica's share ``batch``.
+        ``share_prompts``: the samples of a prompt hold one copy of it (``engine.shared_prompts``;
+        the same update, less work), unless the model has sliding-window layers.
 
         Returns metrics: the loss and the loss's stats summed over micro-batches and replicas
         (on the last stage's ranks only), ``grad_norm`` (before clipping), ``lr``,
-        ``num_micro_batches`` (this replica) and ``skipped`` (1.0 when the gradient norm was not
-        finite and the update was skipped).
+        ``num_micro_batches`` and ``model_tokens`` (this replica; tokens the layers ran, padding
+        included, a shared prompt once) and ``skipped`` (1.0 when the gradient norm was not finite
+        and the update was skipped).
         """
         self._check_batch(batch, temperature)
-        groups = split_by_tokens(batch.lengths, micro_batch_tokens, min_micro_batches=self.layout.pp)
         # The losses read outputs at response tokens only (loss_mask): the head skips the prompts.
         wanted = "loss_mask" if "loss_mask" in batch.token_fields else None
-        micro = make_micro_batches(batch, groups, self.device, outputs_at=wanted)
+        _, micro = plan_micro_batches(batch, micro_batch_tokens, self.device, min_micro_batches=self.layout.pp,
+                                      outputs_at=wanted,
+                                      share_prompts=share_prompts and not self.model.has_sliding_windows)
         normalizer = self._global_normalizer(loss_fn.normalizer(batch))
 
         names = VALUE_OUTPUTS if self.cfg.value_head else LM_OUTPUTS
@@ -97,7 +101,7 @@ class TrainEngine:
 
         def forward_step(i: int, x: torch.Tensor | None) -> torch.Tensor:
             mb = micro[i]
-            hidden = model(mb.ids if shard.first_stage else x, mb.positions)  # [B,T,H]
+            hidden = model(mb.ids if shard.first_stage else x, mb.positions, packed=mb.packed)  # [B,T,H]
             if not shard.last_stage:
                 return hidden
             outputs = token_outputs(model, hidden, mb, names, temperature=temperature,
@@ -139,7 +143,8 @@ class TrainEngine:
         if not skipped:
             self._update(norm, lr)
         metrics = dict(zip(keys, stats_values))
-        metrics.update(grad_norm=grad_norm, lr=lr, num_micro_batches=float(len(micro)), skipped=float(skipped))
+        metrics.update(grad_norm=grad_norm, lr=lr, num_micro_batches=float(len(micro)), skipped=float(skipped),
+                       model_tokens=float(sum(mb.ids.numel() for mb in micro)))
         return metrics
 
     @torch.no_grad()

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardflow.models.config import ModelConfig, rope_inv_freq
 from shardflow.models.decode_weights import DecodeWeight, set_decode_weight
+from shardflow.models.packed_attention import PackedSequences, packed_attention
 from shardflow.parallel.comm import copy_to_tp
 from shardflow.parallel.sharding import RankShard
 from shardflow.parallel.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
@@ -80,7 +81,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.decode_qkv: DecodeWeight | None = None  # see Transformer.make_decode_weights
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn | None,
+                packed: PackedSequences | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         x = copy_to_tp(x, self.group)
         if self.decode_qkv is not None and not torch.is_grad_enabled():
@@ -97,6 +99,9 @@ class Attention(nn.Module):
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B,T,1,d]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if packed is not None:  # one packed row of sequences that read their own key tokens
+            out = packed_attention(q[0], k[0], v[0], packed)  # [T,h,d]
+            return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,heads,T,d]
         if attend is None:
             out = causal_attention(q, k, v, self.window)
@@ -133,16 +138,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, shard, group)
 
-    def forward(self, x, cos, sin, attend: AttendFn | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
+    def forward(self, x, cos, sin, attend: AttendFn | None, packed: PackedSequences | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, packed)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def _layer_forward(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   attend: AttendFn | None) -> torch.Tensor:
+                   attend: AttendFn | None, packed: PackedSequences | None = None) -> torch.Tensor:
     """One layer's forward as a plain function of the layer, so that one compiled version serves
     every layer (their parameters are inputs, not constants)."""
-    return layer(x, cos, sin, attend)
+    return layer(x, cos, sin, attend, packed)
 
 
 class Transformer(nn.Module):
@@ -179,9 +184,15 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: AttendFn | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: AttendFn | None = None,
+                packed: PackedSequences | None = None) -> torch.Tensor:
         """First stage: token ids [B,T]; later stages: hidden states [B,T,H] from the previous
-        stage. Returns hidden states [B,T,H], normed on the last stage."""
+        stage. Returns hidden states [B,T,H], normed on the last stage. ``packed``: the one row
+        (B = 1) holds sequences whose attention reads the key tokens it names, instead of causal
+        self-attention per row (see ``models.packed_attention``)."""
+        if packed is not None and (attend is not None or x.shape[0] != 1 or self.has_sliding_windows):
+            raise ValueError("packed sequences need one row [1,T], no attend function and full attention "
+                             "in every layer")
         h = self.model.embed_tokens(x) if self.shard.first_stage else x
         cos, sin = self.rope(positions, h.dtype)
         recompute = self.gradient_checkpointing and torch.is_grad_enabled()
@@ -190,12 +201,17 @@ class Transformer(nn.Module):
             if recompute:
                 # The decoder has no dropout, so the recomputation needs no saved RNG state. Under
                 # tp the recomputed forward repeats its two all-reduces inside backward.
-                h = checkpoint(run, layer, h, cos, sin, attend, use_reentrant=False, preserve_rng_state=False)
+                h = checkpoint(run, layer, h, cos, sin, attend, packed, use_reentrant=False,
+                               preserve_rng_state=False)
             else:
-                h = run(layer, h, cos, sin, attend)
+                h = run(layer, h, cos, sin, attend, packed)
         if self.shard.last_stage:
             h = self.model.norm(h)
         return h
+
+    @property
+    def has_sliding_windows(self) -> bool:
+        return any(w is not None for w in self.cfg.sliding_windows)
 
     def layer_fn(self, attend: AttendFn | None):
         """What runs one layer: the compiled function (see ``compile_layers``) for plain causal

@@ -158,7 +158,7 @@ class CostModel:
                 head = self.ops.head_forward(cfg, layout.tp, mb * w.response_share)  # at response tokens
                 return layers * per_layer + head + self._stage_send(cfg, layout, mb)
 
-            tokens = self.replica_sequences(layout) * w.mean_tokens
+            tokens = self.replica_sequences(layout) * w.model_tokens
             # pipeline fill and drain: k + pp - 1 slots of the slowest stage
             self._cache[key] = (micro_batches + layout.pp - 1) * stage(tokens / micro_batches)
         return self._cache[key]
@@ -181,7 +181,7 @@ class CostModel:
                 head = self.ops.head_forward(cfg, layout.tp, heads) + self.ops.head_backward(cfg, layout.tp, heads)
                 return layers * per_layer + head + 2 * self._stage_send(cfg, layout, mb)
 
-            tokens = self.replica_sequences(layout, w.train_steps) * w.mean_tokens
+            tokens = self.replica_sequences(layout, w.train_steps) * w.model_tokens
             pipeline = (micro_batches + layout.pp - 1) * stage(tokens / micro_batches)  # 1F1B
             params = rank_params(cfg, layout.pp, layout.tp)
             grads = self.ops.all_reduce(params * self.precision.grad_bytes, layout.dp_group(layout.ranks[0]))

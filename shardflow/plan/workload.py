@@ -26,6 +26,7 @@ class Workload:
     response_std: float = 0.0
     train_steps: int = 1  # optimizer steps per train call (epochs x mini-batches)
     micro_batch_tokens: int = 8192  # the runtime's default token budget per micro-batch
+    share_prompts: bool = False  # inference and training run a prompt once for all its samples
 
     def __post_init__(self) -> None:
         for name in ("prompts", "samples_per_prompt", "prompt_tokens", "max_new_tokens", "train_steps",
@@ -70,9 +71,16 @@ class Workload:
         return self._moments[0]
 
     @property
+    def model_tokens(self) -> float:
+        """Tokens per sequence that inference and training run through the layers: with shared
+        prompts, a group's prompt once for its samples."""
+        shared = self.prompt_tokens * (1 - 1 / self.samples_per_prompt) if self.share_prompts else 0.0
+        return self.mean_tokens - shared
+
+    @property
     def response_share(self) -> float:
-        """Response tokens / all tokens: the share of positions where RL calls run the LM head."""
-        return 1 - self.prompt_tokens / self.mean_tokens
+        """Response tokens / model tokens: the share of positions where RL calls run the LM head."""
+        return (self.mean_tokens - self.prompt_tokens) / self.model_tokens
 
     @property
     def attention_length(self) -> float:
@@ -125,4 +133,5 @@ def workload_from_config(config: ExperimentConfig, *, prompt_tokens: int | None 
         response_std=std,
         train_steps=algo.epochs * algo.mini_batches,
         micro_batch_tokens=algo.micro_batch_tokens,
+        share_prompts=algo.share_prompts,
     )

@@ -214,7 +214,8 @@ def run_inference(world: World, config: ExperimentConfig, call: Call, model: Tra
     out = infer(model, layout, world, batch, what,
                 micro_batch_tokens=token_budget(batch, algo.micro_batch_tokens, micro_batches),
                 temperature=max(config.generation.temperature, 1e-6) if what == "logprobs" else 1.0,
-                outputs_at="loss_mask")  # the losses and advantages read response tokens only
+                outputs_at="loss_mask",  # the losses and advantages read response tokens only
+                share_prompts=algo.share_prompts)
     if out is None or not is_holder(layout, world.rank):
         return None
     return SequenceBatch(batch.sample_ids, batch.lengths, {key: out.token_fields[what].float().cpu()})
@@ -255,7 +256,8 @@ def run_train(world: World, config: ExperimentConfig, call: Call, engine, layout
                                  f"algorithm.mini_batches={algo.mini_batches}")
             mini = batch.select(part)
             budget = token_budget(mini, algo.micro_batch_tokens, micro_batches)
-            metrics = engine.step(mini, loss_fn, micro_batch_tokens=budget, temperature=temperature)
+            metrics = engine.step(mini, loss_fn, micro_batch_tokens=budget, temperature=temperature,
+                                  share_prompts=algo.share_prompts)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
             steps += 1

@@ -1,0 +1,168 @@
+"""Micro-batches in which the samples of a prompt hold one copy of it.
+
+GRPO (and any run with several samples per prompt) trains on n sequences that begin with the same
+prompt. Padded rows run that prompt through every layer n times. Here a prompt's samples share
+one packed row: the prompt once, then each sample's own tokens; attention lets each sample read
+the prompt and then its own tokens (``models.packed_attention``), at the positions it has in its
+own sequence. Every output equals the unshared one; the prompt's work is done once, not n times.
+
+A sample's prompt is what precedes its first wanted token (the RL losses read response tokens
+only: ``loss_mask``); samples share it when those token ids are identical. Micro-batches are
+bounded by packed tokens (no padding): ``prompt + sum of the samples' own tokens <= budget``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardflow.batch import SequenceBatch
+from shardflow.engine.micro_batches import MicroBatch, make_micro_batches, split_by_tokens, wanted_outputs
+from shardflow.models.packed_attention import PackedSequences
+
+
+def plan_micro_batches(batch: SequenceBatch, max_tokens: int, device: torch.device, *, min_micro_batches: int = 1,
+                       outputs_at: str | None = None, share_prompts: bool = False,
+                       ) -> tuple[list[list[int]], list[MicroBatch]]:
+    """The batch's samples (indices) in each micro-batch, and the micro-batches on ``device``:
+    prompts shared when asked and some prompt has several samples (which needs ``outputs_at``),
+    else padded rows (``micro_batches``)."""
+    if share_prompts and outputs_at is not None:
+        rows = group_by_prompt(batch, outputs_at)
+        if any(len(row.samples) > 1 for row in rows):
+            runs = split_rows(rows, batch.lengths.tolist(), max_tokens, min_micro_batches=min_micro_batches)
+            return [samples_of(run) for run in runs], make_shared_micro_batches(batch, runs, device,
+                                                                               outputs_at=outputs_at)
+    groups = split_by_tokens(batch.lengths, max_tokens, min_micro_batches=min_micro_batches)
+    return groups, make_micro_batches(batch, groups, device, outputs_at=outputs_at)
+
+
+@dataclass(frozen=True)
+class SharedRow:
+    """Samples (indices into the batch) that begin with the same ``prefix`` tokens."""
+
+    prefix: int
+    samples: tuple[int, ...]
+
+    def tokens(self, lengths: list[int]) -> int:
+        return self.prefix + sum(lengths[s] - self.prefix for s in self.samples)
+
+
+def group_by_prompt(batch: SequenceBatch, outputs_at: str) -> list[SharedRow]:
+    """One row per distinct prompt (in order of first appearance), holding its samples in order."""
+    ids = batch.token_fields["input_ids"].cpu()
+    wanted = batch.token_fields[outputs_at].cpu() > 0
+    offsets = batch.offsets.tolist()
+    rows: dict[tuple[int, ...], list[int]] = {}
+    for i in range(len(batch)):
+        a, b = offsets[i], offsets[i + 1]
+        first = wanted[a + 1:b].nonzero()  # token 0 has no output: a prompt holds at least it
+        prefix = int(first[0]) + 1 if len(first) else b - a
+        rows.setdefault(tuple(ids[a:a + prefix].tolist()), []).append(i)
+    return [SharedRow(len(key), tuple(samples)) for key, samples in rows.items()]
+
+
+def split_rows(rows: list[SharedRow], lengths: list[int], max_tokens: int, *,
+               min_micro_batches: int = 1) -> list[list[SharedRow]]:
+    """Rows of each micro-batch, largest rows first, each micro-batch within ``max_tokens``.
+
+    A prompt whose samples do not fit one micro-batch gets several rows (each with its own copy of
+    the prompt). ``min_micro_batches`` (e.g. one per pipeline stage) splits the largest
+    micro-batches, then rows, until there are that many or nothing is left to split.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"micro-batch token budget must be positive, got {max_tokens}")
+    fitted: list[SharedRow] = []
+    for row in rows:
+        part: list[int] = []
+        for s in row.samples:
+            if lengths[s] > max_tokens:
+                raise ValueError(f"sequence {s} has {lengths[s]} tokens, more than the micro-batch budget of "
+                                 f"{max_tokens} tokens; raise the budget to at least the longest sequence")
+            if part and SharedRow(row.prefix, (*part, s)).tokens(lengths) > max_tokens:
+                fitted.append(SharedRow(row.prefix, tuple(part)))
+                part = []
+            part.append(s)
+        if part:
+            fitted.append(SharedRow(row.prefix, tuple(part)))
+    fitted.sort(key=lambda r: -r.tokens(lengths))  # stable: ties keep their order
+    runs: list[list[SharedRow]] = []
+    used = max_tokens
+    for row in fitted:  # next fit in that order
+        size = row.tokens(lengths)
+        if used + size > max_tokens:
+            runs.append([])
+            used = 0
+        runs[-1].append(row)
+        used += size
+    samples = sum(len(r.samples) for r in fitted)
+    while len(runs) < min(min_micro_batches, samples):
+        cost = [sum(r.tokens(lengths) for r in run) for run in runs]
+        j = max(range(len(runs)), key=lambda i: (len(runs[i]) > 1 or len(runs[i][0].samples) > 1, cost[i]))
+        run = runs[j]
+        if len(run) > 1:
+            half = (len(run) + 1) // 2
+            runs[j:j + 1] = [run[:half], run[half:]]
+        elif len(run[0].samples) > 1:
+            row = run[0]
+            half = (len(row.samples) + 1) // 2
+            runs[j:j + 1] = [[SharedRow(row.prefix, row.samples[:half])], [SharedRow(row.prefix, row.samples[half:])]]
+        else:
+            break
+    return runs
+
+
+def make_shared_micro_batches(batch: SequenceBatch, runs: list[list[SharedRow]], device: torch.device, *,
+                              outputs_at: str) -> list[MicroBatch]:
+    """One packed row [1, T] per micro-batch; its sequences are the rows' samples in order."""
+    return [_shared_micro_batch(batch, run, device, outputs_at) for run in runs]
+
+
+def samples_of(run: list[SharedRow]) -> list[int]:
+    return [s for row in run for s in row.samples]
+
+
+def _shared_micro_batch(batch: SequenceBatch, run: list[SharedRow], device: torch.device,
+                        outputs_at: str) -> MicroBatch:
+    mb = batch.select(samples_of(run))
+    ids = mb.token_fields["input_ids"].cpu()
+    offsets, lengths = mb.offsets.tolist(), mb.lengths.tolist()
+    row_ids, positions, flat, kv, q_lens, k_lens, cols = [], [], [], [], [], [], []
+    at, j = 0, 0  # next packed position; next sample of mb
+    for row in run:
+        p = row.prefix
+        prompt = torch.arange(at, at + p)
+        row_ids.append(ids[offsets[j]:offsets[j] + p])
+        positions.append(torch.arange(p))
+        kv.append(prompt)
+        q_lens.append(p)
+        k_lens.append(p)
+        at += p
+        for _ in row.samples:
+            a, n = offsets[j], lengths[j]
+            own = torch.arange(at, at + n - p)
+            row_ids.append(ids[a + p:a + n])
+            positions.append(torch.arange(p, n))
+            flat.append(torch.cat([prompt, own]))
+            cols.append(torch.arange(n))
+            if n > p:
+                kv.append(torch.cat([prompt, own]))
+                q_lens.append(n - p)
+                k_lens.append(n)
+            at += n - p
+            j += 1
+    flat_index, col = torch.cat(flat), torch.cat(cols)
+    keep = (mb.token_fields[outputs_at].cpu() > 0) & (col > 0)
+    if not keep.any():  # outputs at every token but the firsts, zero-weighted by the same field
+        keep = col > 0
+    cumsum = lambda n: torch.tensor([0, *n], dtype=torch.int32).cumsum(0, dtype=torch.int32)  # noqa: E731
+    packed = PackedSequences(torch.cat(kv), cumsum(q_lens), cumsum(k_lens), max(q_lens), max(k_lens))
+    return MicroBatch(
+        batch=mb.to(device),
+        ids=torch.cat(row_ids)[None].to(device),
+        positions=torch.cat(positions)[None].to(device),
+        token_index=flat_index.to(device),
+        packed=packed.to(device),
+        **(wanted_outputs(mb, keep, flat_index, device) if keep.any() else {}),
+    )

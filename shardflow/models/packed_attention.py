@@ -1,0 +1,74 @@
+"""Attention over packed tokens where each query sequence reads its own list of key tokens.
+
+A micro-batch whose samples share a prompt holds the prompt's tokens once (see
+``engine.shared_prompts``): the packed row is [prompt, sample 1's own tokens, sample 2's, ...].
+Query sequence ``s`` is the packed tokens ``cu_q[s]:cu_q[s+1]``; it attends to the packed tokens
+``kv_index[cu_k[s]:cu_k[s+1]]`` (the prompt's, then its own), causally with the two aligned at their
+ends: the query at offset ``j`` of a sequence of ``len_q`` sees keys at offsets up to
+``j + len_k - len_q``. A prompt is its own sequence (``kv`` = itself), so every packed token is a
+query exactly once and sees exactly the tokens, at the same positions, that it sees in its
+unshared sequence.
+
+On CUDA in half precision this is flash attention's variable-length kernel; elsewhere (CPU, float32)
+a loop of per-sequence ``scaled_dot_product_attention`` calls, which also serves as the reference.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    kv_index: torch.Tensor  # [N_kv] int64: packed token of each key slot, sequence after sequence
+    cu_q: torch.Tensor  # [S+1] int32: query sequence starts in the packed tokens
+    cu_k: torch.Tensor  # [S+1] int32: key sequence starts in kv_index
+    max_q: int  # longest query sequence
+    max_k: int  # longest key sequence
+
+    def to(self, device: torch.device | str) -> "PackedSequences":
+        return PackedSequences(self.kv_index.to(device), self.cu_q.to(device), self.cu_k.to(device),
+                               self.max_q, self.max_k)
+
+
+@torch.compiler.disable  # its sizes are Python ints that change per micro-batch: keep them out of graphs
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
+    """q [N,h,d], k and v [N,k,d] (packed tokens) -> [N,h,d]."""
+    k, v = k.index_select(0, seqs.kv_index), v.index_select(0, seqs.kv_index)  # [N_kv,k,d]
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return _flash_varlen(q, k, v, seqs)
+    return _per_sequence(q, k, v, seqs)
+
+
+def _flash_varlen(q, k, v, seqs: PackedSequences) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    extra = {"enable_gqa": True} if _varlen_takes_gqa() and q.shape[1] != k.shape[1] else {}
+    # window (-1, 0): causal, aligned at the sequences' ends when queries are fewer than keys
+    return varlen_attn(q, k, v, seqs.cu_q, seqs.cu_k, seqs.max_q, seqs.max_k, window_size=(-1, 0), **extra)
+
+
+@lru_cache(maxsize=1)
+def _varlen_takes_gqa() -> bool:
+    """torch 2.13 asks for ``enable_gqa``; 2.11 passes fewer KV heads to the kernel as they are."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def _per_sequence(q, k, v, seqs: PackedSequences) -> torch.Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    cu_q, cu_k = seqs.cu_q.tolist(), seqs.cu_k.tolist()
+    out = []
+    for s in range(len(cu_q) - 1):
+        qs = q[cu_q[s]:cu_q[s + 1]].transpose(0, 1)  # [h,len_q,d]
+        ks, vs = (t[cu_k[s]:cu_k[s + 1]].transpose(0, 1) for t in (k, v))  # [k,len_k,d]
+        len_q, len_k = qs.shape[1], ks.shape[1]
+        mask = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(len_k - len_q)
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa).transpose(0, 1))
+    return torch.cat(out)

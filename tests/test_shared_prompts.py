@@ -1,0 +1,198 @@
+"""Shared prompts: the samples of a prompt packed into one row that holds the prompt once. The
+layout, the attention over it, and inference and training steps against transformers under
+(pp, dp, tp) layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from shardflow.batch import SequenceBatch
+from shardflow.engine.inference import infer
+from shardflow.engine.micro_batches import split_by_tokens
+from shardflow.engine.shared_prompts import SharedRow, group_by_prompt, make_shared_micro_batches, split_rows
+from shardflow.engine.train import TrainEngine
+from shardflow.models.checkpoint import load_model
+from shardflow.models.config import ModelConfig
+from shardflow.models.packed_attention import packed_attention
+from shardflow.parallel.layout import Layout
+from shardflow.parallel.world import World
+
+from test_train_engine import BUCKET, GRAD_ATOL, OPTIM, WEIGHT_ATOL
+from train_reference import (TokenLoss, ValueLoss, assemble, make_group_batch, reference_outputs, reference_step,
+                             replica_share)
+
+BUDGET = 40  # packed tokens per micro-batch: prompts with four samples need two rows
+
+
+def hand_batch() -> SequenceBatch:
+    """Prompt [5, 6, 7] with three samples, prompt [5, 6] with one, and [5, 6, 7] again."""
+    seqs = [([5, 6, 7, 1, 2], 3), ([5, 6, 9], 2), ([5, 6, 7, 3], 3), ([5, 6, 7, 4, 4, 4], 3)]
+    return SequenceBatch.from_lists(range(4), {
+        "input_ids": [torch.tensor(s) for s, _ in seqs],
+        "loss_mask": [(torch.arange(len(s)) >= p).float() for s, p in seqs],
+    })
+
+
+def test_samples_group_by_their_prompt_and_rows_fit_the_budget():
+    batch = hand_batch()
+    rows = group_by_prompt(batch, "loss_mask")
+    assert rows == [SharedRow(3, (0, 2, 3)), SharedRow(2, (1,))]
+    lengths = batch.lengths.tolist()
+    assert rows[0].tokens(lengths) == 3 + 2 + 1 + 3
+    assert split_rows(rows, lengths, 100) == [[SharedRow(3, (0, 2, 3)), SharedRow(2, (1,))]]
+    # 8 tokens: the three samples need two rows, each with its own copy of the prompt
+    assert split_rows(rows, lengths, 8) == [[SharedRow(3, (0, 2))], [SharedRow(3, (3,))], [SharedRow(2, (1,))]]
+    # one micro-batch per pipeline stage: the largest are split, micro-batches first, then rows
+    assert split_rows(rows, lengths, 100, min_micro_batches=3) == [
+        [SharedRow(3, (0, 2))], [SharedRow(3, (3,))], [SharedRow(2, (1,))]]
+    with pytest.raises(ValueError, match="sequence 3 has 6 tokens, more than the micro-batch budget of 5"):
+        split_rows(rows, lengths, 5)
+
+
+def test_the_packed_row_holds_every_sample_at_its_own_positions():
+    batch = hand_batch()
+    runs = split_rows(group_by_prompt(batch, "loss_mask"), batch.lengths.tolist(), 100)
+    (mb,) = make_shared_micro_batches(batch, runs, torch.device("cpu"), outputs_at="loss_mask")
+    assert mb.ids.tolist() == [[5, 6, 7, 1, 2, 3, 4, 4, 4, 5, 6, 9]]  # each prompt once
+    assert mb.positions.tolist() == [[0, 1, 2, 3, 4, 3, 3, 4, 5, 0, 1, 2]]
+    ids = mb.batch.token_fields["input_ids"]
+    own_positions = torch.cat([torch.arange(n) for n in mb.batch.lengths.tolist()])
+    assert torch.equal(mb.ids.flatten()[mb.token_index], ids)  # every sample's tokens, in order
+    assert torch.equal(mb.positions.flatten()[mb.token_index], own_positions)
+    # the wanted (response) tokens, predicted from the hidden state of the token before each
+    assert torch.equal(mb.wanted_targets, ids[mb.wanted])
+    assert torch.equal(mb.wanted_before, mb.token_index[mb.wanted - 1])
+    assert mb.batch.token_fields["loss_mask"][mb.wanted].all() and len(mb.wanted) == 7
+    assert mb.packed.cu_q.tolist() == [0, 3, 5, 6, 9, 11, 12] and mb.packed.max_q == 3
+    assert mb.packed.cu_k.tolist() == [0, 3, 8, 12, 18, 20, 23] and mb.packed.max_k == 6
+
+
+def test_packed_attention_equals_causal_attention_per_sample():
+    """Each sample's tokens, taken out of the packed row, attend as in their own causal sequence."""
+    batch = make_group_batch(128, prompts=3, samples=3, seed=4)
+    runs = split_rows(group_by_prompt(batch, "loss_mask"), batch.lengths.tolist(), 1000)
+    (mb,) = make_shared_micro_batches(batch, runs, torch.device("cpu"), outputs_at="loss_mask")
+    g = torch.Generator().manual_seed(0)
+    n = mb.ids.shape[1]
+    q, k, v = torch.randn(n, 4, 8, generator=g), torch.randn(n, 2, 8, generator=g), torch.randn(n, 2, 8, generator=g)
+    out = packed_attention(q, k, v, mb.packed)
+    offsets = mb.batch.offsets.tolist()
+    for s in range(len(mb.batch)):
+        rows = mb.token_index[offsets[s]:offsets[s + 1]]
+        qs, ks, vs = (t[rows].transpose(0, 1) for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(out[rows], ref, atol=1e-6, rtol=0)
+
+
+INFER_LAYOUTS = ["d1p1t1@0", "d1p2t2@0-3", "d2p1t1@0-1"]
+
+
+def infer_job(world, path: str, layout_texts: list[str], batch: SequenceBatch, what: str):
+    layouts = [Layout.parse(t) for t in layout_texts]
+    world.create_groups(layouts)
+    out = {}
+    for layout in layouts:
+        if world.rank not in layout:
+            continue
+        model, shard = load_model(path, layout, world)
+        share = replica_share(batch, layout, world.rank)
+        result = infer(model, layout, world, share, what, micro_batch_tokens=BUDGET, outputs_at="loss_mask",
+                       share_prompts=True)
+        if result is not None and shard.coord.tp == 0:
+            out[str(layout)] = result
+    return out
+
+
+@pytest.mark.parametrize("case,what", [("qwen3_qknorm", "logprobs"), ("llama_value", "values")])
+def test_shared_inference_matches_transformers(pool, checkpoints, case, what):
+    family = "qwen3" if case.startswith("qwen3") else "llama"
+    path = checkpoints.get(case, family, tie_word_embeddings=family == "qwen3", value_head=what == "values")
+    batch = make_group_batch(128)
+    auto = transformers.AutoModelForSequenceClassification if what == "values" else transformers.AutoModelForCausalLM
+    with torch.no_grad():
+        ref = reference_outputs(auto.from_pretrained(path, dtype=torch.float32), batch, what == "values")[what]
+    wanted = batch.token_fields["loss_mask"] > 0  # outputs elsewhere are 0 by design
+    results = pool.run(infer_job, path, INFER_LAYOUTS, batch, what)
+    for text in INFER_LAYOUTS:
+        parts = [r[text] for r in results if text in r]
+        got = SequenceBatch.concat(parts).sorted_by_id().token_fields[what]
+        torch.testing.assert_close(got[wanted], ref[wanted], atol=2e-5, rtol=0, msg=f"{case} {text}")
+        assert not got[~wanted].any()
+
+
+TRAIN_CASES = {
+    "llama": (dict(family="llama"), ["d1p1t1@0", "d1p2t2@0-3", "d2p1t1@0-1", "d1p2t1@0-1+gc"]),
+    "qwen3_qknorm": (dict(family="qwen3", tie_word_embeddings=True), ["d1p1t2@0-1"]),
+    "llama_value": (dict(family="llama", value_head=True), ["d1p2t2@0-3"]),
+}
+
+
+def train_job(world, path: str, runs: list[str], batch, value_head: bool):
+    layouts = [Layout.parse(r.removesuffix("+gc")) for r in runs]
+    world.create_groups(layouts)
+    out = {}
+    for run, layout in zip(runs, layouts):
+        if world.rank not in layout:
+            continue
+        model, _ = load_model(path, layout, world)
+        engine = TrainEngine(model, layout, world, OPTIM, gradient_checkpointing=run.endswith("+gc"),
+                             bucket_numel=BUCKET)
+        loss = ValueLoss() if value_head else TokenLoss()
+        share = replica_share(batch, layout, world.rank)
+        metrics = engine.step(share, loss, micro_batch_tokens=BUDGET, share_prompts=True)
+        lengths = share.lengths.tolist()
+        padded = sum(len(g) * max(lengths[i] for i in g)
+                     for g in split_by_tokens(lengths, BUDGET, min_micro_batches=layout.pp))
+        out[run] = ({n: p.detach().clone() for n, p in model.named_parameters()},
+                    {n: g.clone() for n, g in engine.grads.views.items()}, metrics, padded)
+    return out
+
+
+@pytest.mark.parametrize("case", list(TRAIN_CASES))
+def test_shared_train_step_matches_single_process(pool, checkpoints, case):
+    kwargs, runs = TRAIN_CASES[case]
+    kwargs = dict(kwargs)
+    path = checkpoints.get(case, kwargs.pop("family"), **kwargs)
+    cfg = ModelConfig.from_pretrained(path)
+    batch = make_group_batch(cfg.vocab_size)
+    loss = ValueLoss() if cfg.value_head else TokenLoss()
+    ref_weights, ref_grads, ref_metrics = reference_step(path, batch, loss, OPTIM, cfg.value_head)
+    results = pool.run(train_job, path, runs, batch, cfg.value_head)
+    for run in runs:
+        layout = Layout.parse(run.removesuffix("+gc"))
+        weights = assemble(cfg, layout, {r: res[run][0] for r, res in enumerate(results) if run in res})
+        grads = assemble(cfg, layout, {r: res[run][1] for r, res in enumerate(results) if run in res})
+        for name in ref_weights:
+            torch.testing.assert_close(grads[name], ref_grads[name], atol=GRAD_ATOL, rtol=0, msg=f"{run} grad {name}")
+            torch.testing.assert_close(weights[name], ref_weights[name], atol=WEIGHT_ATOL, rtol=0,
+                                       msg=f"{run} weight {name}")
+        for res in results:
+            if run not in res:
+                continue
+            metrics, padded = res[run][2], res[run][3]
+            assert metrics["model_tokens"] < 0.8 * padded, run  # the samples did share rows
+            if "loss" in metrics:
+                assert metrics["loss"] == pytest.approx(ref_metrics["loss"], rel=1e-6, abs=1e-7), run
+
+
+def test_compiled_layers_run_packed_rows_alike(checkpoints):
+    """The compiled decoder layers (one graph each side of the packed attention) give the eager
+    layers' outputs, and micro-batches of other sizes do not make them compile again."""
+    path = checkpoints.get("qwen3_qknorm", "qwen3", tie_word_embeddings=True)
+    world = World(rank=0, size=1, device=torch.device("cpu"), backend="gloo")
+    layout = Layout((0,))
+    batch = make_group_batch(128, seed=5)
+    eager, _ = load_model(path, layout, world)
+    compiled, _ = load_model(path, layout, world)
+    assert compiled.compile_layers()
+    run = lambda model, budget: infer(model, layout, world, batch, "logprobs", micro_batch_tokens=budget,  # noqa: E731
+                                      outputs_at="loss_mask", share_prompts=True).token_fields["logprobs"]
+    torch.testing.assert_close(run(compiled, BUDGET), run(eager, BUDGET), atol=1e-5, rtol=0)
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    torch.testing.assert_close(run(compiled, 60), run(eager, 60), atol=1e-5, rtol=0)
+    assert counters["stats"]["unique_graphs"] == before
