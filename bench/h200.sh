@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The single-GPU benchmarks of BENCHMARKS.md, in six parts that each fit a 10-minute window:
+# The single-GPU benchmarks of BENCHMARKS.md, in parts that each fit a 10-minute window:
 #   bench/h200.sh OUT a   the decode products (cuBLAS, cuBLASLt, weights transposed) and decode
 #                         attention's split counts at batch 1 and 16; generation (parity of the fast path, decode
 #                         attention, the engine against its roofline and transformers)
@@ -17,11 +17,13 @@
 #                         1, 16 and 64 x 8K with the weights transposed, then as stored
 #   bench/h200.sh OUT i   batch 1, 64 and 256 x 1K with the weights transposed under cuBLASLt, then
 #                         the default; the GRPO iteration (no TRL) with both options
+#   bench/h200.sh OUT j   shared prompts: parity against padded rows and the training call's time;
+#                         the GRPO iteration (no TRL) with prompts shared (the default), then padded
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
-OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i}
-PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i}
+OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j}
+PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORK=$(mktemp -d)
 LOG=$OUT/log.txt
@@ -101,6 +103,11 @@ case $PART in
     engine transposed_lt 200 --batches 1,64,256 --contexts 1024 --transposed-weights --blas-library cublaslt
     engine default 200 --batches 1,64,256 --contexts 1024
     iteration transposed_lt --set generation.transposed_weights=true --set generation.blas_library=cublaslt
+    ;;
+  j)
+    run shared_prompts 240 shared_prompts.json python3 bench/shared_prompts.py
+    iteration shared
+    iteration padded --set algorithm.share_prompts=false
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40

@@ -11,7 +11,8 @@ time per phase, and each phase's roofline from the measured HBM bandwidth and ma
   generation: sum over decode steps of max(bytes read / bandwidth, FLOPs / matrix rate), plus
               each prompt's prefill once (a group's samples share it);
   training:   6 x (layer matrix parameters x tokens + LM head x response tokens) / matrix rate
-              (forward + backward; log-probabilities are needed at response tokens only).
+              (forward + backward; a group's prompt counted once; log-probabilities are needed at
+              response tokens only).
 Prints a table and writes ``iteration.json`` to ``--out``.
 """
 
@@ -142,9 +143,10 @@ def rooflines(shape: dict, workload: dict, bandwidth: float, flops: float) -> di
         read = weight_bytes + batch * (prompt + step) * kv_token
         generation += max(read / bandwidth, 2 * (layers + head) * batch / flops)
     # What is needed, no more: a group's samples share their prompt's prefill, which needs the
-    # head's logits at its last token only; training needs the head at response tokens only.
+    # head's logits at its last token only; training runs a group's prompt through the layers once
+    # too, and needs the head at response tokens only.
     prefill = 2 * (layers * prompts * prompt + head * batch) / flops
-    training = 6 * (layers * batch * (prompt + response) + head * batch * response) / flops
+    training = 6 * (layers * (prompts * prompt + batch * response) + head * batch * response) / flops
     # A tighter floor for this implementation, whose kernels run one after another: each decode
     # step's products (the larger of their weight read and matrix time) and then its attention
     # (the KV read); training's products and then its causal attention's FLOPs (forward 2 T^2 q_size

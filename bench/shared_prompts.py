@@ -1,0 +1,188 @@
+"""Shared prompts (a prompt's samples in one packed row holding the prompt once) against padded
+rows: parity on this device, then the training call's time on the GRPO iteration's shape.
+
+    python bench/shared_prompts.py --out runs/bench-shared          # GPU: parity, then Qwen3-1.7B shape
+    python bench/shared_prompts.py --out runs/bench-shared --tiny   # any machine: a tiny shape
+
+1. parity: a small random Qwen3 (q/k norms, GQA) computes log-probabilities of prompts with several
+   samples of different lengths, and takes one training step, with padded rows and with shared
+   prompts, in the run's dtype (bf16 on GPU, where shared rows use flash attention's variable-length
+   kernel) and in float32 with padded rows as the reference. The shared rows' error against the
+   reference must stay within 1.5x of the padded rows' own (plus a floor of bf16 noise), for the
+   log-probabilities and for the gradient; the script exits non-zero otherwise.
+2. speed: one training step of the GRPO iteration's call (``--prompts`` x ``--samples`` sequences of
+   ``--prompt-tokens`` + ``--response-tokens``), padded and shared, median of ``--steps`` after a
+   warm-up, with the tokens each runs through the layers.
+Prints a table and writes ``shared_prompts.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from iteration import QWEN3_1_7B  # noqa: E402
+
+from shardflow.batch import SequenceBatch  # noqa: E402
+from shardflow.engine.inference import infer  # noqa: E402
+from shardflow.engine.optimizer import OptimConfig  # noqa: E402
+from shardflow.engine.train import TrainEngine  # noqa: E402
+from shardflow.models.checkpoint import load_model  # noqa: E402
+from shardflow.models.tiny import make_tiny_checkpoint  # noqa: E402
+from shardflow.parallel.layout import Layout  # noqa: E402
+from shardflow.parallel.world import World  # noqa: E402
+
+PARITY_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                    num_key_value_heads=4, head_dim=64, vocab_size=512, tie_word_embeddings=True)
+TINY_SHAPE = {**QWEN3_1_7B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256}
+
+
+class PolicyLoss:
+    """Token-mean advantage-weighted log-likelihood: a GRPO-like loss with one step per batch."""
+
+    entropy_grad = False
+
+    def normalizer(self, batch: SequenceBatch) -> float:
+        return float(batch.token_fields["loss_mask"].sum())
+
+    def __call__(self, outputs, mb, normalizer):
+        loss = -(mb.token_fields["advantages"] * outputs["logprobs"] * mb.token_fields["loss_mask"]).sum()
+        return loss / normalizer, {}
+
+
+def group_batch(vocab: int, prompts: int, samples: int, prompt_tokens: tuple[int, int],
+                response_tokens: tuple[int, int], seed: int = 0) -> SequenceBatch:
+    """Prompts of lengths in ``prompt_tokens`` (inclusive range), ``samples`` responses each of lengths
+    in ``response_tokens``, shuffled, with a loss mask on the responses and random advantages."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for _ in range(prompts):
+        p = int(torch.randint(prompt_tokens[0], prompt_tokens[1] + 1, (1,), generator=g))
+        prompt = torch.randint(3, vocab, (p,), generator=g)
+        for _ in range(samples):
+            r = int(torch.randint(response_tokens[0], response_tokens[1] + 1, (1,), generator=g))
+            seqs.append((torch.cat([prompt, torch.randint(3, vocab, (r,), generator=g)]), p))
+    seqs = [seqs[i] for i in torch.randperm(len(seqs), generator=g).tolist()]
+    return SequenceBatch.from_lists(range(len(seqs)), {
+        "input_ids": [ids for ids, _ in seqs],
+        "loss_mask": [(torch.arange(len(ids)) >= p).float() for ids, p in seqs],
+        "advantages": [torch.full((len(ids),), float(torch.randn(1, generator=g))) for ids, _ in seqs],
+    })
+
+
+def one_rank(device: torch.device) -> tuple[World, Layout]:
+    return World(rank=0, size=1, device=device, backend="gloo"), Layout((0,))
+
+
+def parity(work: Path, device: torch.device, dtype: torch.dtype) -> dict:
+    path = make_tiny_checkpoint(work / "parity", "qwen3", **PARITY_SHAPE)
+    world, layout = one_rank(device)
+    batch = group_batch(PARITY_SHAPE["vocab_size"], prompts=6, samples=4, prompt_tokens=(3, 40),
+                        response_tokens=(1, 100))
+    wanted = batch.token_fields["loss_mask"] > 0
+
+    def run(run_dtype: torch.dtype, share: bool):
+        model, _ = load_model(path, layout, world, dtype=run_dtype)
+        logprobs = infer(model, layout, world, batch, "logprobs", micro_batch_tokens=1024, outputs_at="loss_mask",
+                         share_prompts=share).token_fields["logprobs"].float().cpu()
+        engine = TrainEngine(model, layout, world, OptimConfig(lr=1e-3, max_grad_norm=None))
+        engine.step(batch, PolicyLoss(), micro_batch_tokens=1024, share_prompts=share)
+        return logprobs[wanted], engine.grads.flat.float().cpu().clone()
+
+    ref_lp, ref_grad = run(torch.float32, False)
+    out = {}
+    for name, share in (("padded", False), ("shared", True)):
+        lp, grad = run(dtype, share)
+        out[name] = {"logprob_max_abs_err": (lp - ref_lp).abs().max().item(),
+                     "grad_rel_err": ((grad - ref_grad).norm() / ref_grad.norm()).item()}
+    floor = 1e-4 if dtype == torch.float32 else 2e-2  # summation-order noise of each dtype
+    out["ok"] = all(out["shared"][k] <= 1.5 * out["padded"][k] + floor for k in out["padded"])
+    return out
+
+
+def speed(work: Path, device: torch.device, dtype: torch.dtype, shape: dict, args) -> dict:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(**shape, rms_norm_eps=1e-6)
+    config.architectures = ["Qwen3ForCausalLM"]
+    with torch.device(device):
+        AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(work / "model")
+    world, layout = one_rank(device)
+    n = (args.prompt_tokens, args.prompt_tokens)
+    r = (args.response_tokens, args.response_tokens)
+    batch = group_batch(shape["vocab_size"], args.prompts, args.samples, n, r, seed=1)
+    model, _ = load_model(work / "model", layout, world, dtype=dtype)
+    if device.type == "cuda":
+        model.compile_layers()
+    engine = TrainEngine(model, layout, world, OptimConfig(lr=1e-7))
+    out = {}
+    for name, share in (("padded", False), ("shared", True)):
+        times, metrics = [], {}
+        for _ in range(args.steps + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            metrics = engine.step(batch, PolicyLoss(), micro_batch_tokens=args.micro_batch_tokens, share_prompts=share)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out[name] = {"step_s": statistics.median(times[1:]), "steps_s": times,
+                     "model_tokens": metrics["model_tokens"], "micro_batches": metrics["num_micro_batches"]}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--response-tokens", type=int, default=512)
+    parser.add_argument("--micro-batch-tokens", type=int, default=16384)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--skip-speed", action="store_true")
+    args = parser.parse_args()
+    if args.tiny:
+        args.prompts, args.samples, args.prompt_tokens, args.response_tokens = 4, 4, 8, 8
+        args.micro_batch_tokens, args.steps = 64, 1
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "dtype": str(dtype), "args": vars(args)}
+    with tempfile.TemporaryDirectory() as tmp:
+        result["parity"] = parity(Path(tmp), device, dtype)
+        (out / "shared_prompts.json").write_text(json.dumps(result, indent=2))
+        if not args.skip_speed:
+            result["speed"] = speed(Path(tmp), device, dtype, TINY_SHAPE if args.tiny else QWEN3_1_7B, args)
+    (out / "shared_prompts.json").write_text(json.dumps(result, indent=2))
+
+    p = result["parity"]
+    print(f"\nparity ({dtype}, against float32 padded rows): "
+          + ", ".join(f"{k} log-prob max err {p[k]['logprob_max_abs_err']:.2e}, grad rel err {p[k]['grad_rel_err']:.2e}"
+                      for k in ("padded", "shared")) + f" -> {'ok' if p['ok'] else 'FAILED'}")
+    if "speed" in result:
+        print(f"| rows | s/step | tokens through the layers | micro-batches |  ({args.prompts} prompts x "
+              f"{args.samples} samples x {args.prompt_tokens}+{args.response_tokens} tokens)")
+        print("|---|---:|---:|---:|")
+        for name, row in result["speed"].items():
+            print(f"| {name} | {row['step_s']:.3f} | {row['model_tokens']:.0f} | {row['micro_batches']:.0f} |")
+    if not p["ok"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
