@@ -10,7 +10,10 @@ rows: parity on this device, then the training call's time on the GRPO iteration
    kernel) and in float32 with padded rows as the reference. The shared rows' error against the
    reference must stay within 1.5x of the padded rows' own (plus a floor of bf16 noise), for the
    log-probabilities and for the gradient; the script exits non-zero otherwise.
-2. speed: one training step of the GRPO iteration's call (``--prompts`` x ``--samples`` sequences of
+2. attention: forward and backward of one layer's attention over one micro-batch of the workload,
+   padded rows (``scaled_dot_product_attention``, causal) against shared rows (the key gather and
+   the variable-length kernel), and the gather alone.
+3. speed: one training step of the GRPO iteration's call (``--prompts`` x ``--samples`` sequences of
    ``--prompt-tokens`` + ``--response-tokens``), padded and shared, median of ``--steps`` after a
    warm-up, with the tokens each runs through the layers.
 Prints a table and writes ``shared_prompts.json`` to ``--out``.
@@ -36,6 +39,9 @@ from iteration import QWEN3_1_7B  # noqa: E402
 from shardflow.batch import SequenceBatch  # noqa: E402
 from shardflow.engine.inference import infer  # noqa: E402
 from shardflow.engine.optimizer import OptimConfig  # noqa: E402
+from shardflow.engine.shared_prompts import group_by_prompt, make_shared_micro_batches, split_rows  # noqa: E402
+from shardflow.models.packed_attention import packed_attention  # noqa: E402
+from shardflow.models.transformer import causal_attention  # noqa: E402
 from shardflow.engine.train import TrainEngine  # noqa: E402
 from shardflow.models.checkpoint import load_model  # noqa: E402
 from shardflow.models.tiny import make_tiny_checkpoint  # noqa: E402
@@ -111,6 +117,49 @@ def parity(work: Path, device: torch.device, dtype: torch.dtype) -> dict:
     return out
 
 
+def attention(device: torch.device, dtype: torch.dtype, shape: dict, args) -> dict:
+    """ms per forward + backward of one layer's attention over the first micro-batch."""
+    n = (args.prompt_tokens, args.prompt_tokens)
+    r = (args.response_tokens, args.response_tokens)
+    batch = group_batch(shape["vocab_size"], args.prompts, args.samples, n, r, seed=1)
+    runs = split_rows(group_by_prompt(batch, "loss_mask"), batch.lengths.tolist(), args.micro_batch_tokens)
+    mb = make_shared_micro_batches(batch, runs[:1], device, outputs_at="loss_mask")[0]
+    rows, length = len(mb.batch), int(mb.batch.lengths.max())
+    h, kv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    tokens = mb.ids.shape[1]
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def make(*size):
+        return torch.randn(*size, device=device, dtype=dtype, generator=g).requires_grad_()
+
+    padded = [make(rows, heads, length, d) for heads in (h, kv, kv)]
+    shared = [make(tokens, heads, d) for heads in (h, kv, kv)]
+
+    def timed(fn) -> float:
+        for _ in range(2):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.attention_repeats):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - start) / args.attention_repeats
+
+    def backward_of(out: torch.Tensor) -> None:
+        out.backward(torch.ones_like(out))
+
+    def gather() -> torch.Tensor:
+        k, v = shared[1].index_select(0, mb.packed.kv_index), shared[2].index_select(0, mb.packed.kv_index)
+        return k.float().sum() + v.float().sum()
+
+    return {"padded_rows": rows, "padded_length": length, "shared_tokens": tokens,
+            "padded_ms": timed(lambda: backward_of(causal_attention(*padded, None))),
+            "shared_ms": timed(lambda: backward_of(packed_attention(*shared, mb.packed))),
+            "gather_ms": timed(lambda: gather().backward())}
+
+
 def speed(work: Path, device: torch.device, dtype: torch.dtype, shape: dict, args) -> dict:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -152,11 +201,13 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=512)
     parser.add_argument("--micro-batch-tokens", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--attention-repeats", type=int, default=20)
+    parser.add_argument("--skip-parity", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true", help="no training steps (parity and attention only)")
     args = parser.parse_args()
     if args.tiny:
         args.prompts, args.samples, args.prompt_tokens, args.response_tokens = 4, 4, 8, 8
-        args.micro_batch_tokens, args.steps = 64, 1
+        args.micro_batch_tokens, args.steps, args.attention_repeats = 64, 1, 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = Path(args.out)
@@ -164,23 +215,30 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "dtype": str(dtype), "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
-        result["parity"] = parity(Path(tmp), device, dtype)
+        if not args.skip_parity:
+            result["parity"] = parity(Path(tmp), device, dtype)
+        result["attention"] = attention(device, dtype, TINY_SHAPE if args.tiny else QWEN3_1_7B, args)
         (out / "shared_prompts.json").write_text(json.dumps(result, indent=2))
         if not args.skip_speed:
             result["speed"] = speed(Path(tmp), device, dtype, TINY_SHAPE if args.tiny else QWEN3_1_7B, args)
     (out / "shared_prompts.json").write_text(json.dumps(result, indent=2))
 
-    p = result["parity"]
-    print(f"\nparity ({dtype}, against float32 padded rows): "
-          + ", ".join(f"{k} log-prob max err {p[k]['logprob_max_abs_err']:.2e}, grad rel err {p[k]['grad_rel_err']:.2e}"
-                      for k in ("padded", "shared")) + f" -> {'ok' if p['ok'] else 'FAILED'}")
+    p = result.get("parity")
+    if p is not None:
+        print(f"\nparity ({dtype}, against float32 padded rows): "
+              + ", ".join(f"{k} log-prob max err {p[k]['logprob_max_abs_err']:.2e}, grad rel err "
+                          f"{p[k]['grad_rel_err']:.2e}" for k in ("padded", "shared")) + f" -> {'ok' if p['ok'] else 'FAILED'}")
+    a = result["attention"]
+    print(f"attention of one layer, forward + backward, one micro-batch: padded {a['padded_rows']} x "
+          f"{a['padded_length']} {a['padded_ms']:.3f} ms; shared {a['shared_tokens']} tokens {a['shared_ms']:.3f} ms "
+          f"(of which the key gather {a['gather_ms']:.3f} ms)")
     if "speed" in result:
         print(f"| rows | s/step | tokens through the layers | micro-batches |  ({args.prompts} prompts x "
               f"{args.samples} samples x {args.prompt_tokens}+{args.response_tokens} tokens)")
         print("|---|---:|---:|---:|")
         for name, row in result["speed"].items():
             print(f"| {name} | {row['step_s']:.3f} | {row['model_tokens']:.0f} | {row['micro_batches']:.0f} |")
-    if not p["ok"]:
+    if p is not None and not p["ok"]:
         sys.exit(1)
 
 

@@ -100,6 +100,21 @@ def test_inference_and_training_time_by_hand():
     assert costs.train(cfg, Layout.contiguous(dp=2), 2) == pytest.approx(expected)
 
 
+def test_shared_prompts_run_a_groups_prompt_once():
+    """4 prompts x 8 samples of 300 + 200 tokens: shared, the layers run 300 + 8 x 200 tokens a
+    group instead of 8 x 500, and the head the same 8 x 200."""
+    cfg = llama()
+    kw = dict(prompts=4, samples_per_prompt=8, prompt_tokens=300, max_new_tokens=200, response_mean=200)
+    padded, shared = Workload(**kw), Workload(**kw, share_prompts=True)
+    assert shared.model_tokens == pytest.approx((300 + 8 * 200) / 8) and padded.model_tokens == 500
+    costs = {w: CostModel(LinearOps(Cluster.for_devices(1)), w) for w in (padded, shared)}
+    layout = Layout.contiguous()
+    for w in (padded, shared):  # one micro-batch: layers on the model's tokens, the head on responses
+        tokens = 32 * w.model_tokens
+        assert costs[w].inference(cfg, layout, 1) == pytest.approx(
+            cfg.num_layers * 1e-6 * tokens + 5e-7 * 32 * 200)
+
+
 def test_tensor_parallel_adds_two_all_reduces_per_layer():
     cfg = llama()
     cluster = Cluster.for_devices(2)
