@@ -17,15 +17,14 @@
 #                         1, 16 and 64 x 8K with the weights transposed, then as stored
 #   bench/h200.sh OUT i   batch 1, 64 and 256 x 1K with the weights transposed under cuBLASLt, then
 #                         the default; the GRPO iteration (no TRL) with both options
-#   bench/h200.sh OUT j   shared prompts: parity against padded rows and the training call's time;
-#                         the GRPO iteration (no TRL) with prompts shared (the default), then padded
-#   bench/h200.sh OUT k   shared prompts against padded rows: the attention on the GRPO shape; attention
-#                         and training call with 1K-token prompts, and with 4K-token responses
+#   bench/h200.sh OUT j   shared prompts: parity against padded rows, attention and the training call's
+#                         time on the GRPO shape and with 1K-token prompts; the GRPO iteration (no TRL)
+#                         with prompts shared (the default), then padded
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
-OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k}
-PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k}
+OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j}
+PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORK=$(mktemp -d)
 LOG=$OUT/log.txt
@@ -107,19 +106,12 @@ case $PART in
     iteration transposed_lt --set generation.transposed_weights=true --set generation.blas_library=cublaslt
     ;;
   j)
-    run shared_prompts 240 shared_prompts.json python3 bench/shared_prompts.py
-    iteration shared
-    iteration padded --set algorithm.share_prompts=false
-    ;;
-  k)
-    run shared_attention 120 shared_prompts.json python3 bench/shared_prompts.py --skip-parity --skip-speed
-    mv "$OUT/shared_prompts.json" "$OUT/shared_grpo.json" 2>/dev/null
-    run shared_long_prompts 200 shared_prompts.json python3 bench/shared_prompts.py --skip-parity --prompts 16 \
+    run shared_prompts 160 shared_prompts.json python3 bench/shared_prompts.py
+    run shared_long_prompts 130 shared_prompts.json python3 bench/shared_prompts.py --skip-parity --prompts 16 \
       --prompt-tokens 1024 --response-tokens 512
     mv "$OUT/shared_prompts.json" "$OUT/shared_long_prompts.json" 2>/dev/null
-    run shared_long_responses 200 shared_prompts.json python3 bench/shared_prompts.py --skip-parity --prompts 4 \
-      --prompt-tokens 64 --response-tokens 4096
-    mv "$OUT/shared_prompts.json" "$OUT/shared_long_responses.json" 2>/dev/null
+    iteration shared
+    iteration padded --set algorithm.share_prompts=false
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40

@@ -40,7 +40,7 @@ from shardflow.batch import SequenceBatch  # noqa: E402
 from shardflow.engine.inference import infer  # noqa: E402
 from shardflow.engine.optimizer import OptimConfig  # noqa: E402
 from shardflow.engine.shared_prompts import group_by_prompt, make_shared_micro_batches, split_rows  # noqa: E402
-from shardflow.models.packed_attention import packed_attention  # noqa: E402
+from shardflow.models.packed_attention import gather_keys, packed_attention  # noqa: E402
 from shardflow.models.transformer import causal_attention  # noqa: E402
 from shardflow.engine.train import TrainEngine  # noqa: E402
 from shardflow.models.checkpoint import load_model  # noqa: E402
@@ -151,7 +151,7 @@ def attention(device: torch.device, dtype: torch.dtype, shape: dict, args) -> di
         out.backward(torch.ones_like(out))
 
     def gather() -> torch.Tensor:
-        k, v = shared[1].index_select(0, mb.packed.kv_index), shared[2].index_select(0, mb.packed.kv_index)
+        k, v = (gather_keys(t, mb.packed) for t in shared[1:])
         return k.float().sum() + v.float().sum()
 
     return {"padded_rows": rows, "padded_length": length, "shared_tokens": tokens,

@@ -12,7 +12,8 @@ import transformers
 from shardflow.batch import SequenceBatch
 from shardflow.engine.inference import infer
 from shardflow.engine.micro_batches import split_by_tokens
-from shardflow.engine.shared_prompts import SharedRow, group_by_prompt, make_shared_micro_batches, split_rows
+from shardflow.engine.shared_prompts import (MIN_SAVING, SharedRow, group_by_prompt, make_shared_micro_batches,
+                                            plan_micro_batches, split_rows)
 from shardflow.engine.train import TrainEngine
 from shardflow.models.checkpoint import load_model
 from shardflow.models.config import ModelConfig
@@ -52,6 +53,26 @@ def test_samples_group_by_their_prompt_and_rows_fit_the_budget():
         split_rows(rows, lengths, 5)
 
 
+def test_prompts_are_shared_only_where_that_saves_tokens():
+    batch = make_group_batch(128)  # prompts of 2-8 tokens, responses of 1-11
+    def plan(b, budget=40, **kw):
+        return plan_micro_batches(b, budget, torch.device("cpu"), outputs_at="loss_mask", **kw)[1]
+
+    assert all(mb.packed is not None for mb in plan(batch, share_prompts=True))
+    assert all(mb.packed is None for mb in plan(batch))
+    # one sample per prompt: nothing to share
+    single = batch.select([row.samples[0] for row in group_by_prompt(batch, "loss_mask")])
+    assert all(mb.packed is None for mb in plan(single, share_prompts=True))
+    # a 2-token prompt before 37-token responses: one row of both saves 2 of 78 tokens, under MIN_SAVING
+    ids = [torch.tensor([5, 6, *range(10, 47)]), torch.tensor([5, 6, *range(20, 57)])]
+    long = SequenceBatch.from_lists(range(2), {"input_ids": ids,
+                                               "loss_mask": [(torch.arange(39) >= 2).float()] * 2})
+    assert 2 / 78 < MIN_SAVING and all(mb.packed is None for mb in plan(long, 100, share_prompts=True))
+    ids[1][:20] = ids[0][:20]
+    shared = SequenceBatch.from_lists(range(2), {"input_ids": ids, "loss_mask": [(torch.arange(39) >= 20).float()] * 2})
+    assert all(mb.packed is not None for mb in plan(shared, 100, share_prompts=True))  # 20 of 78 saved
+
+
 def test_the_packed_row_holds_every_sample_at_its_own_positions():
     batch = hand_batch()
     runs = split_rows(group_by_prompt(batch, "loss_mask"), batch.lengths.tolist(), 100)
@@ -71,20 +92,31 @@ def test_the_packed_row_holds_every_sample_at_its_own_positions():
 
 
 def test_packed_attention_equals_causal_attention_per_sample():
-    """Each sample's tokens, taken out of the packed row, attend as in their own causal sequence."""
+    """Each sample's tokens, taken out of the packed row, attend as in their own causal sequence;
+    so do the gradients (a shared prompt's summed over its samples)."""
     batch = make_group_batch(128, prompts=3, samples=3, seed=4)
     runs = split_rows(group_by_prompt(batch, "loss_mask"), batch.lengths.tolist(), 1000)
     (mb,) = make_shared_micro_batches(batch, runs, torch.device("cpu"), outputs_at="loss_mask")
     g = torch.Generator().manual_seed(0)
     n = mb.ids.shape[1]
-    q, k, v = torch.randn(n, 4, 8, generator=g), torch.randn(n, 2, 8, generator=g), torch.randn(n, 2, 8, generator=g)
-    out = packed_attention(q, k, v, mb.packed)
+    qkv = [torch.randn(n, heads, 8, generator=g, requires_grad=True) for heads in (4, 2, 2)]
+    weights = torch.randn(n, 4, 8, generator=g)
+    out = packed_attention(*qkv, mb.packed)
+    (out * weights).sum().backward()
+    leaves = [t.detach().requires_grad_() for t in qkv]
+    # a prompt's query rows recur in each of its samples here and once in the packed row: the
+    # reference loss takes each copy at 1 / (number of copies)
+    copies = torch.zeros(n).index_add_(0, mb.token_index, torch.ones(len(mb.token_index)))[:, None, None]
+    assert copies.max() > 1
     offsets = mb.batch.offsets.tolist()
     for s in range(len(mb.batch)):
         rows = mb.token_index[offsets[s]:offsets[s + 1]]
-        qs, ks, vs = (t[rows].transpose(0, 1) for t in (q, k, v))
-        ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(0, 1)
-        torch.testing.assert_close(out[rows], ref, atol=1e-6, rtol=0)
+        q, k, v = (t[rows].transpose(0, 1) for t in leaves)
+        own = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(out[rows], own, atol=1e-6, rtol=0)
+        (own * weights[rows] / copies[rows]).sum().backward()
+    for got, want in zip(qkv, leaves):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=0)
 
 
 INFER_LAYOUTS = ["d1p1t1@0", "d1p2t2@0-3", "d2p1t1@0-1"]

@@ -22,19 +22,29 @@ from shardflow.engine.micro_batches import MicroBatch, make_micro_batches, split
 from shardflow.models.packed_attention import PackedSequences
 
 
+# Packed rows pay for their tokens saved with slower attention (the key gather, and on GPUs flash
+# attention's variable-length kernel, 1.2-1.6x cuDNN's on an H200): below this share of the padded
+# rows' tokens saved, they are not used (BENCHMARKS.md, "Shared prompts").
+MIN_SAVING = 0.05
+
+
 def plan_micro_batches(batch: SequenceBatch, max_tokens: int, device: torch.device, *, min_micro_batches: int = 1,
                        outputs_at: str | None = None, share_prompts: bool = False,
                        ) -> tuple[list[list[int]], list[MicroBatch]]:
     """The batch's samples (indices) in each micro-batch, and the micro-batches on ``device``:
-    prompts shared when asked and some prompt has several samples (which needs ``outputs_at``),
-    else padded rows (``micro_batches``)."""
+    prompts shared when asked (which needs ``outputs_at``) and when that saves at least
+    ``MIN_SAVING`` of the padded rows' tokens, else padded rows (``micro_batches``)."""
+    lengths = batch.lengths.tolist()
+    groups = split_by_tokens(lengths, max_tokens, min_micro_batches=min_micro_batches)
     if share_prompts and outputs_at is not None:
         rows = group_by_prompt(batch, outputs_at)
         if any(len(row.samples) > 1 for row in rows):
-            runs = split_rows(rows, batch.lengths.tolist(), max_tokens, min_micro_batches=min_micro_batches)
-            return [samples_of(run) for run in runs], make_shared_micro_batches(batch, runs, device,
-                                                                               outputs_at=outputs_at)
-    groups = split_by_tokens(batch.lengths, max_tokens, min_micro_batches=min_micro_batches)
+            runs = split_rows(rows, lengths, max_tokens, min_micro_batches=min_micro_batches)
+            shared = sum(row.tokens(lengths) for run in runs for row in run)
+            padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
+            if shared <= (1 - MIN_SAVING) * padded:
+                return [samples_of(run) for run in runs], make_shared_micro_batches(batch, runs, device,
+                                                                                   outputs_at=outputs_at)
     return groups, make_micro_batches(batch, groups, device, outputs_at=outputs_at)
 
 
@@ -156,8 +166,7 @@ def _shared_micro_batch(batch: SequenceBatch, run: list[SharedRow], device: torc
     keep = (mb.token_fields[outputs_at].cpu() > 0) & (col > 0)
     if not keep.any():  # outputs at every token but the firsts, zero-weighted by the same field
         keep = col > 0
-    cumsum = lambda n: torch.tensor([0, *n], dtype=torch.int32).cumsum(0, dtype=torch.int32)  # noqa: E731
-    packed = PackedSequences(torch.cat(kv), cumsum(q_lens), cumsum(k_lens), max(q_lens), max(k_lens))
+    packed = PackedSequences.build(torch.cat(kv), q_lens, k_lens, tokens=at)
     return MicroBatch(
         batch=mb.to(device),
         ids=torch.cat(row_ids)[None].to(device),
