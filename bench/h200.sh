@@ -107,6 +107,7 @@ case $PART in
     ;;
   j)
     run shared_prompts 160 shared_prompts.json python3 bench/shared_prompts.py
+    mv "$OUT/shared_prompts.json" "$OUT/shared_grpo.json" 2>/dev/null
     run shared_long_prompts 130 shared_prompts.json python3 bench/shared_prompts.py --skip-parity --prompts 16 \
       --prompt-tokens 1024 --response-tokens 512
     mv "$OUT/shared_prompts.json" "$OUT/shared_long_prompts.json" 2>/dev/null
