@@ -107,6 +107,8 @@ def test_shared_prompts_run_a_groups_prompt_once():
     kw = dict(prompts=4, samples_per_prompt=8, prompt_tokens=300, max_new_tokens=200, response_mean=200)
     padded, shared = Workload(**kw), Workload(**kw, share_prompts=True)
     assert shared.model_tokens == pytest.approx((300 + 8 * 200) / 8) and padded.model_tokens == 500
+    short = Workload(**{**kw, "prompt_tokens": 5}, share_prompts=True)  # 4.4 of 205 tokens: not shared
+    assert short.model_tokens == short.mean_tokens
     costs = {w: CostModel(LinearOps(Cluster.for_devices(1)), w) for w in (padded, shared)}
     layout = Layout.contiguous()
     for w in (padded, shared):  # one micro-batch: layers on the model's tokens, the head on responses

@@ -14,6 +14,7 @@ from functools import cached_property, lru_cache
 from statistics import NormalDist
 
 from shardflow.config import ExperimentConfig
+from shardflow.engine.shared_prompts import MIN_SAVING
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,9 +74,10 @@ class Workload:
     @property
     def model_tokens(self) -> float:
         """Tokens per sequence that inference and training run through the layers: with shared
-        prompts, a group's prompt once for its samples."""
-        shared = self.prompt_tokens * (1 - 1 / self.samples_per_prompt) if self.share_prompts else 0.0
-        return self.mean_tokens - shared
+        prompts, a group's prompt once for its samples (where the runtime shares: see
+        ``engine.shared_prompts.MIN_SAVING``)."""
+        saved = self.prompt_tokens * (1 - 1 / self.samples_per_prompt) if self.share_prompts else 0.0
+        return self.mean_tokens - saved if saved >= MIN_SAVING * self.mean_tokens else self.mean_tokens
 
     @property
     def response_share(self) -> float:
