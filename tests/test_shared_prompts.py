@@ -107,7 +107,7 @@ def test_packed_attention_equals_causal_attention_per_sample():
     # a prompt's query rows recur in each of its samples here and once in the packed row: the
     # reference loss takes each copy at 1 / (number of copies)
     copies = torch.zeros(n).index_add_(0, mb.token_index, torch.ones(len(mb.token_index)))[:, None, None]
-    assert copies.max() > 1
+    assert copies.max() > 1  # the prompts' keys are gathered several times
     offsets = mb.batch.offsets.tolist()
     for s in range(len(mb.batch)):
         rows = mb.token_index[offsets[s]:offsets[s + 1]]

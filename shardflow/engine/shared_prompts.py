@@ -166,7 +166,7 @@ def _shared_micro_batch(batch: SequenceBatch, run: list[SharedRow], device: torc
     keep = (mb.token_fields[outputs_at].cpu() > 0) & (col > 0)
     if not keep.any():  # outputs at every token but the firsts, zero-weighted by the same field
         keep = col > 0
-    packed = PackedSequences.build(torch.cat(kv), q_lens, k_lens, tokens=at)
+    packed = PackedSequences.build(torch.cat(kv), q_lens, k_lens)
     return MicroBatch(
         batch=mb.to(device),
         ids=torch.cat(row_ids)[None].to(device),

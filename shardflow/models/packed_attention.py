@@ -30,50 +30,21 @@ class PackedSequences:
     cu_k: torch.Tensor  # [S+1] int32: key sequence starts in kv_index
     max_q: int  # longest query sequence
     max_k: int  # longest key sequence
-    # For the gather's backward: each token's first key slot [N], and the other slots that hold a
-    # token (a shared prompt's copies) with the token each holds [M] (see ``_GatherRows``).
-    first_slot: torch.Tensor
-    repeat_slots: torch.Tensor
-    repeat_rows: torch.Tensor
 
     @classmethod
-    def build(cls, kv_index: torch.Tensor, q_lens: list[int], k_lens: list[int], tokens: int) -> "PackedSequences":
-        """From the key slots' tokens and the sequences' query and key lengths (host tensors)."""
-        slots = torch.arange(len(kv_index))
-        first = torch.full((tokens,), len(kv_index), dtype=torch.long).scatter_reduce(0, kv_index, slots, "amin")
-        if (first == len(kv_index)).any():
-            raise ValueError("every packed token must be a key of some sequence (its own)")
-        repeat = slots != first[kv_index]
+    def build(cls, kv_index: torch.Tensor, q_lens: list[int], k_lens: list[int]) -> "PackedSequences":
+        """From the key slots' tokens and the sequences' query and key lengths (host values)."""
         cumsum = lambda n: torch.tensor([0, *n], dtype=torch.int32).cumsum(0, dtype=torch.int32)  # noqa: E731
-        return cls(kv_index, cumsum(q_lens), cumsum(k_lens), max(q_lens), max(k_lens), first, slots[repeat],
-                   kv_index[repeat])
+        return cls(kv_index, cumsum(q_lens), cumsum(k_lens), max(q_lens), max(k_lens))
 
     def to(self, device: torch.device | str) -> "PackedSequences":
         move = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
         return PackedSequences(**move)
 
 
-class _GatherRows(torch.autograd.Function):
-    """``x[kv_index]`` whose backward gathers each row's gradient from its first slot and adds only
-    the repeated slots' (the prompts' copies) with atomics: index_select's own backward adds every
-    slot atomically, which cost more than the attention kernel here."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
-        ctx.seqs = seqs
-        return x.index_select(0, seqs.kv_index)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        seqs = ctx.seqs
-        out = grad.index_select(0, seqs.first_slot)
-        out.index_add_(0, seqs.repeat_rows, grad.index_select(0, seqs.repeat_slots))
-        return out, None
-
-
 def gather_keys(x: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
     """[N,...] packed tokens -> [N_kv,...] key slots, sequence after sequence."""
-    return _GatherRows.apply(x, seqs)
+    return x.index_select(0, seqs.kv_index)
 
 
 @torch.compiler.disable  # its sizes are Python ints that change per micro-batch: keep them out of graphs
