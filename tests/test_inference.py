@@ -21,7 +21,10 @@ CASES = {
 }
 
 
-def infer_job(world, path: str, layout_texts: list[str], batch: SequenceBatch, whats: tuple[str, ...]):
+def infer_job(world, path: str, layout_texts: list[str], batch: SequenceBatch, whats: tuple[str, ...],
+              **options):
+    """``options`` go to ``infer`` (a 48-token budget and TEMPERATURE unless given)."""
+    options = {"micro_batch_tokens": 48, "temperature": TEMPERATURE, **options}
     layouts = [Layout.parse(t) for t in layout_texts]
     world.create_groups(layouts)
     out = {}
@@ -31,7 +34,7 @@ def infer_job(world, path: str, layout_texts: list[str], batch: SequenceBatch, w
         model, shard = load_model(path, layout, world)
         share = replica_share(batch, layout, world.rank)
         for what in whats:
-            result = infer(model, layout, world, share, what, micro_batch_tokens=48, temperature=TEMPERATURE)
+            result = infer(model, layout, world, share, what, **options)
             assert (result is None) == (not shard.last_stage)
             if result is not None:
                 assert torch.equal(result.sample_ids, share.sample_ids)  # the batch's own order

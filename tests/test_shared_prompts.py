@@ -14,14 +14,14 @@ from shardflow.engine.inference import infer
 from shardflow.engine.micro_batches import split_by_tokens
 from shardflow.engine.shared_prompts import (MIN_SAVING, SharedRow, group_by_prompt, make_shared_micro_batches,
                                             plan_micro_batches, split_rows)
-from shardflow.engine.train import TrainEngine
 from shardflow.models.checkpoint import load_model
 from shardflow.models.config import ModelConfig
 from shardflow.models.packed_attention import packed_attention
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
 
-from test_train_engine import BUCKET, GRAD_ATOL, OPTIM, WEIGHT_ATOL
+from test_inference import infer_job
+from test_train_engine import GRAD_ATOL, OPTIM, WEIGHT_ATOL, train_job
 from train_reference import (TokenLoss, ValueLoss, assemble, make_group_batch, reference_outputs, reference_step,
                              replica_share)
 
@@ -122,22 +122,6 @@ def test_packed_attention_equals_causal_attention_per_sample():
 INFER_LAYOUTS = ["d1p1t1@0", "d1p2t2@0-3", "d2p1t1@0-1"]
 
 
-def infer_job(world, path: str, layout_texts: list[str], batch: SequenceBatch, what: str):
-    layouts = [Layout.parse(t) for t in layout_texts]
-    world.create_groups(layouts)
-    out = {}
-    for layout in layouts:
-        if world.rank not in layout:
-            continue
-        model, shard = load_model(path, layout, world)
-        share = replica_share(batch, layout, world.rank)
-        result = infer(model, layout, world, share, what, micro_batch_tokens=BUDGET, outputs_at="loss_mask",
-                       share_prompts=True)
-        if result is not None and shard.coord.tp == 0:
-            out[str(layout)] = result
-    return out
-
-
 @pytest.mark.parametrize("case,what", [("qwen3_qknorm", "logprobs"), ("llama_value", "values")])
 def test_shared_inference_matches_transformers(pool, checkpoints, case, what):
     family = "qwen3" if case.startswith("qwen3") else "llama"
@@ -147,9 +131,16 @@ def test_shared_inference_matches_transformers(pool, checkpoints, case, what):
     with torch.no_grad():
         ref = reference_outputs(auto.from_pretrained(path, dtype=torch.float32), batch, what == "values")[what]
     wanted = batch.token_fields["loss_mask"] > 0  # outputs elsewhere are 0 by design
-    results = pool.run(infer_job, path, INFER_LAYOUTS, batch, what)
+    results = {}
+    for part in pool.run(infer_job, path, INFER_LAYOUTS, batch, (what,), micro_batch_tokens=BUDGET,
+                         temperature=1.0, outputs_at="loss_mask", share_prompts=True):
+        results.update(part)
     for text in INFER_LAYOUTS:
-        parts = [r[text] for r in results if text in r]
+        layout = Layout.parse(text)
+        parts = []
+        for d in range(layout.dp):
+            ids, field = results[(text, what, layout.rank_at(layout.pp - 1, d, 0))]
+            parts.append(SequenceBatch(ids, replica_share(batch, layout, layout.rank_at(0, d, 0)).lengths, {what: field}))
         got = SequenceBatch.concat(parts).sorted_by_id().token_fields[what]
         torch.testing.assert_close(got[wanted], ref[wanted], atol=2e-5, rtol=0, msg=f"{case} {text}")
         assert not got[~wanted].any()
@@ -162,27 +153,6 @@ TRAIN_CASES = {
 }
 
 
-def train_job(world, path: str, runs: list[str], batch, value_head: bool):
-    layouts = [Layout.parse(r.removesuffix("+gc")) for r in runs]
-    world.create_groups(layouts)
-    out = {}
-    for run, layout in zip(runs, layouts):
-        if world.rank not in layout:
-            continue
-        model, _ = load_model(path, layout, world)
-        engine = TrainEngine(model, layout, world, OPTIM, gradient_checkpointing=run.endswith("+gc"),
-                             bucket_numel=BUCKET)
-        loss = ValueLoss() if value_head else TokenLoss()
-        share = replica_share(batch, layout, world.rank)
-        metrics = engine.step(share, loss, micro_batch_tokens=BUDGET, share_prompts=True)
-        lengths = share.lengths.tolist()
-        padded = sum(len(g) * max(lengths[i] for i in g)
-                     for g in split_by_tokens(lengths, BUDGET, min_micro_batches=layout.pp))
-        out[run] = ({n: p.detach().clone() for n, p in model.named_parameters()},
-                    {n: g.clone() for n, g in engine.grads.views.items()}, metrics, padded)
-    return out
-
-
 @pytest.mark.parametrize("case", list(TRAIN_CASES))
 def test_shared_train_step_matches_single_process(pool, checkpoints, case):
     kwargs, runs = TRAIN_CASES[case]
@@ -192,7 +162,7 @@ def test_shared_train_step_matches_single_process(pool, checkpoints, case):
     batch = make_group_batch(cfg.vocab_size)
     loss = ValueLoss() if cfg.value_head else TokenLoss()
     ref_weights, ref_grads, ref_metrics = reference_step(path, batch, loss, OPTIM, cfg.value_head)
-    results = pool.run(train_job, path, runs, batch, cfg.value_head)
+    results = pool.run(train_job, path, runs, batch, cfg.value_head, BUDGET, True)
     for run in runs:
         layout = Layout.parse(run.removesuffix("+gc"))
         weights = assemble(cfg, layout, {r: res[run][0] for r, res in enumerate(results) if run in res})
@@ -201,10 +171,13 @@ def test_shared_train_step_matches_single_process(pool, checkpoints, case):
             torch.testing.assert_close(grads[name], ref_grads[name], atol=GRAD_ATOL, rtol=0, msg=f"{run} grad {name}")
             torch.testing.assert_close(weights[name], ref_weights[name], atol=WEIGHT_ATOL, rtol=0,
                                        msg=f"{run} weight {name}")
-        for res in results:
+        for rank, res in enumerate(results):
             if run not in res:
                 continue
-            metrics, padded = res[run][2], res[run][3]
+            metrics = res[run][2]
+            lengths = replica_share(batch, layout, rank).lengths.tolist()
+            padded = sum(len(g) * max(lengths[i] for i in g)
+                         for g in split_by_tokens(lengths, BUDGET, min_micro_batches=layout.pp))
             assert metrics["model_tokens"] < 0.8 * padded, run  # the samples did share rows
             if "loss" in metrics:
                 assert metrics["loss"] == pytest.approx(ref_metrics["loss"], rel=1e-6, abs=1e-7), run

@@ -38,7 +38,8 @@ CASES = {
 }
 
 
-def train_job(world, path: str, runs: list[str], batch, value_head: bool):
+def train_job(world, path: str, runs: list[str], batch, value_head: bool, budget: int = BUDGET,
+              share_prompts: bool = False):
     """One step per run (a layout, ``+gc`` for gradient checkpointing) on the ranks of its layout."""
     layouts = [Layout.parse(r.removesuffix("+gc")) for r in runs]
     world.create_groups(layouts)
@@ -50,7 +51,8 @@ def train_job(world, path: str, runs: list[str], batch, value_head: bool):
         engine = TrainEngine(model, layout, world, OPTIM, gradient_checkpointing=run.endswith("+gc"),
                              bucket_numel=BUCKET)
         loss = ValueLoss() if value_head else TokenLoss()
-        metrics = engine.step(replica_share(batch, layout, world.rank), loss, micro_batch_tokens=BUDGET)
+        metrics = engine.step(replica_share(batch, layout, world.rank), loss, micro_batch_tokens=budget,
+                              share_prompts=share_prompts)
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
         grads = {n: g.clone() for n, g in engine.grads.views.items()}  # after clipping
         out[run] = (weights, grads, metrics)
