@@ -1,6 +1,6 @@
 """Shared prompts: the samples of a prompt packed into one row that holds the prompt once. The
-layout, the attention over it, and inference and training steps against transformers under
-(pp, dp, tp) layouts."""
+layout, the attention over it, and inference against transformers under (pp, dp, tp) layouts
+(training steps: test_train_engine.py)."""
 
 from __future__ import annotations
 
@@ -11,19 +11,15 @@ import transformers
 
 from shardflow.batch import SequenceBatch
 from shardflow.engine.inference import infer
-from shardflow.engine.micro_batches import split_by_tokens
 from shardflow.engine.shared_prompts import (MIN_SAVING, SharedRow, group_by_prompt, make_shared_micro_batches,
                                             plan_micro_batches, split_rows)
 from shardflow.models.checkpoint import load_model
-from shardflow.models.config import ModelConfig
 from shardflow.models.packed_attention import packed_attention
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
 
 from test_inference import infer_job
-from test_train_engine import GRAD_ATOL, OPTIM, WEIGHT_ATOL, train_job
-from train_reference import (TokenLoss, ValueLoss, assemble, make_group_batch, reference_outputs, reference_step,
-                             replica_share)
+from train_reference import make_group_batch, reference_outputs, replica_share
 
 BUDGET = 40  # packed tokens per micro-batch: prompts with four samples need two rows
 
@@ -144,43 +140,6 @@ def test_shared_inference_matches_transformers(pool, checkpoints, case, what):
         got = SequenceBatch.concat(parts).sorted_by_id().token_fields[what]
         torch.testing.assert_close(got[wanted], ref[wanted], atol=2e-5, rtol=0, msg=f"{case} {text}")
         assert not got[~wanted].any()
-
-
-TRAIN_CASES = {
-    "llama": (dict(family="llama"), ["d1p1t1@0", "d1p2t2@0-3", "d2p1t1@0-1", "d1p2t1@0-1+gc"]),
-    "qwen3_qknorm": (dict(family="qwen3", tie_word_embeddings=True), ["d1p1t2@0-1"]),
-    "llama_value": (dict(family="llama", value_head=True), ["d1p2t2@0-3"]),
-}
-
-
-@pytest.mark.parametrize("case", list(TRAIN_CASES))
-def test_shared_train_step_matches_single_process(pool, checkpoints, case):
-    kwargs, runs = TRAIN_CASES[case]
-    kwargs = dict(kwargs)
-    path = checkpoints.get(case, kwargs.pop("family"), **kwargs)
-    cfg = ModelConfig.from_pretrained(path)
-    batch = make_group_batch(cfg.vocab_size)
-    loss = ValueLoss() if cfg.value_head else TokenLoss()
-    ref_weights, ref_grads, ref_metrics = reference_step(path, batch, loss, OPTIM, cfg.value_head)
-    results = pool.run(train_job, path, runs, batch, cfg.value_head, BUDGET, True)
-    for run in runs:
-        layout = Layout.parse(run.removesuffix("+gc"))
-        weights = assemble(cfg, layout, {r: res[run][0] for r, res in enumerate(results) if run in res})
-        grads = assemble(cfg, layout, {r: res[run][1] for r, res in enumerate(results) if run in res})
-        for name in ref_weights:
-            torch.testing.assert_close(grads[name], ref_grads[name], atol=GRAD_ATOL, rtol=0, msg=f"{run} grad {name}")
-            torch.testing.assert_close(weights[name], ref_weights[name], atol=WEIGHT_ATOL, rtol=0,
-                                       msg=f"{run} weight {name}")
-        for rank, res in enumerate(results):
-            if run not in res:
-                continue
-            metrics = res[run][2]
-            lengths = replica_share(batch, layout, rank).lengths.tolist()
-            padded = sum(len(g) * max(lengths[i] for i in g)
-                         for g in split_by_tokens(lengths, BUDGET, min_micro_batches=layout.pp))
-            assert metrics["model_tokens"] < 0.8 * padded, run  # the samples did share rows
-            if "loss" in metrics:
-                assert metrics["loss"] == pytest.approx(ref_metrics["loss"], rel=1e-6, abs=1e-7), run
 
 
 def test_compiled_layers_run_packed_rows_alike(checkpoints):

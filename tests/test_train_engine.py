@@ -8,6 +8,7 @@ import io
 import pytest
 import torch
 
+from shardflow.engine.micro_batches import split_by_tokens
 from shardflow.engine.optimizer import OptimConfig
 from shardflow.engine.train import TrainEngine
 from shardflow.models.checkpoint import load_model
@@ -15,7 +16,8 @@ from shardflow.models.config import ModelConfig
 from shardflow.parallel import comm
 from shardflow.parallel.layout import Layout
 
-from train_reference import TokenLoss, ValueLoss, assemble, make_batch, reference_step, replica_share
+from train_reference import (TokenLoss, ValueLoss, assemble, make_batch, make_group_batch, reference_step,
+                             replica_share)
 
 # eps is large on purpose: Adam's first update is lr * g / (|g| + eps). With a tiny eps that is
 # lr * sign(g), blind to the gradient's size (a sync that doubled a gradient would pass), and
@@ -67,18 +69,25 @@ GRAD_ATOL = 1e-7
 WEIGHT_ATOL = 2e-7
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_train_step_matches_single_process(pool, checkpoints, case):
+# Shared prompts (engine.shared_prompts): prompts with several samples each, packed rows.
+SHARED_RUNS = {"llama": ["d1p1t1@0", "d1p2t2@0-3", "d2p1t1@0-1", "d1p2t1@0-1+gc"],
+               "qwen3_qknorm": ["d1p1t2@0-1"], "llama_value": ["d1p2t2@0-3"]}
+SHARED_BUDGET = 40  # packed tokens per micro-batch: prompts with four samples need two rows
+
+
+@pytest.mark.parametrize("case,shared", [(c, False) for c in CASES] + [(c, True) for c in SHARED_RUNS])
+def test_train_step_matches_single_process(pool, checkpoints, case, shared):
     kwargs, runs = CASES[case]
     kwargs = dict(kwargs)
     path = checkpoints.get(case, kwargs.pop("family"), **kwargs)
     cfg = ModelConfig.from_pretrained(path)
-    batch = make_batch(cfg.vocab_size)
+    batch = (make_group_batch if shared else make_batch)(cfg.vocab_size)
+    runs, budget = (SHARED_RUNS[case], SHARED_BUDGET) if shared else (runs, BUDGET)
     loss = ValueLoss() if cfg.value_head else TokenLoss()
     ref_weights, ref_grads, ref_metrics = reference_step(path, batch, loss, OPTIM, cfg.value_head)
     assert ref_metrics["grad_norm"] > OPTIM.max_grad_norm  # clipping is exercised
 
-    results = pool.run(train_job, path, runs, batch, cfg.value_head)
+    results = pool.run(train_job, path, runs, batch, cfg.value_head, budget, shared)
     for run in runs:
         layout = Layout.parse(run.removesuffix("+gc"))
         weights = assemble(cfg, layout, {r: res[run][0] for r, res in enumerate(results) if run in res})
@@ -98,6 +107,11 @@ def test_train_step_matches_single_process(pool, checkpoints, case):
                 assert metrics["loss"] == pytest.approx(ref_metrics["loss"], rel=1e-6, abs=1e-7), run
             else:
                 assert "loss" not in metrics
+            if shared:  # the samples did share rows: fewer tokens than padded rows of the same budget
+                lengths = replica_share(batch, layout, rank).lengths.tolist()
+                padded = sum(len(g) * max(lengths[i] for i in g)
+                             for g in split_by_tokens(lengths, budget, min_micro_batches=layout.pp))
+                assert metrics["model_tokens"] < 0.8 * padded, run
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(pool, checkpoints):
