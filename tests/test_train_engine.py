@@ -1,5 +1,6 @@
-"""Training steps under (pp, dp, tp) layouts against one process running transformers and
-torch.optim.AdamW; gradient checkpointing; resume from optimizer state."""
+"""Training steps under (pp, dp, tp) layouts, in padded rows and with shared prompts, against one
+process running transformers and torch.optim.AdamW; gradient checkpointing; resume from
+optimizer state."""
 
 from __future__ import annotations
 

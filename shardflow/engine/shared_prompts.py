@@ -77,36 +77,35 @@ def split_rows(rows: list[SharedRow], lengths: list[int], max_tokens: int, *,
                min_micro_batches: int = 1) -> list[list[SharedRow]]:
     """Rows of each micro-batch, largest rows first, each micro-batch within ``max_tokens``.
 
-    A prompt whose samples do not fit one micro-batch gets several rows (each with its own copy of
-    the prompt). ``min_micro_batches`` (e.g. one per pipeline stage) splits the largest
-    micro-batches, then rows, until there are that many or nothing is left to split.
+    Micro-batches are filled in that order; a row that does not fit the rest of one is split
+    between it and the next (each part with its own copy of the prompt). ``min_micro_batches``
+    (e.g. one per pipeline stage) splits the largest micro-batches, then rows, until there are
+    that many or nothing is left to split.
     """
     if max_tokens < 1:
         raise ValueError(f"micro-batch token budget must be positive, got {max_tokens}")
-    fitted: list[SharedRow] = []
     for row in rows:
-        part: list[int] = []
         for s in row.samples:
             if lengths[s] > max_tokens:
                 raise ValueError(f"sequence {s} has {lengths[s]} tokens, more than the micro-batch budget of "
                                  f"{max_tokens} tokens; raise the budget to at least the longest sequence")
-            if part and SharedRow(row.prefix, (*part, s)).tokens(lengths) > max_tokens:
-                fitted.append(SharedRow(row.prefix, tuple(part)))
-                part = []
-            part.append(s)
-        if part:
-            fitted.append(SharedRow(row.prefix, tuple(part)))
-    fitted.sort(key=lambda r: -r.tokens(lengths))  # stable: ties keep their order
-    runs: list[list[SharedRow]] = []
-    used = max_tokens
-    for row in fitted:  # next fit in that order
-        size = row.tokens(lengths)
-        if used + size > max_tokens:
-            runs.append([])
-            used = 0
-        runs[-1].append(row)
-        used += size
-    samples = sum(len(r.samples) for r in fitted)
+    fitted = sorted(rows, key=lambda r: -r.tokens(lengths))  # stable: ties keep their order
+    runs: list[list[SharedRow]] = [[]]
+    used = 0
+    for row in fitted:
+        rest = list(row.samples)
+        while rest:
+            part: list[int] = []  # the samples that fit what is left of the micro-batch
+            while rest and used + SharedRow(row.prefix, (*part, rest[0])).tokens(lengths) <= max_tokens:
+                part.append(rest.pop(0))
+            if part:
+                runs[-1].append(SharedRow(row.prefix, tuple(part)))
+                used += runs[-1][-1].tokens(lengths)
+            if rest:
+                runs.append([])
+                used = 0
+    runs = [run for run in runs if run]
+    samples = sum(len(r.samples) for r in rows)
     while len(runs) < min(min_micro_batches, samples):
         cost = [sum(r.tokens(lengths) for r in run) for run in runs]
         j = max(range(len(runs)), key=lambda i: (len(runs[i]) > 1 or len(runs[i][0].samples) > 1, cost[i]))
