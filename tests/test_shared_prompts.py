@@ -47,6 +47,12 @@ def test_samples_group_by_their_prompt_and_rows_fit_the_budget():
         [SharedRow(3, (0, 2))], [SharedRow(3, (3,))], [SharedRow(2, (1,))]]
     with pytest.raises(ValueError, match="sequence 3 has 6 tokens, more than the micro-batch budget of 5"):
         split_rows(rows, lengths, 5)
+    # four prompts of 2 tokens with 3 samples of 4 own tokens (14 tokens a row) in micro-batches of
+    # 20: rows split to fill them, 3 micro-batches where whole rows would need 4
+    rows = [SharedRow(2, (3 * i, 3 * i + 1, 3 * i + 2)) for i in range(4)]
+    runs = split_rows(rows, [6] * 12, 20)
+    assert [[(r.samples) for r in run] for run in runs] == [[(0, 1, 2), (3,)], [(4, 5), (6, 7)], [(8,), (9, 10, 11)]]
+    assert all(sum(r.tokens([6] * 12) for r in run) <= 20 for run in runs)
 
 
 def test_prompts_are_shared_only_where_that_saves_tokens():
