@@ -10,7 +10,7 @@ query exactly once and sees exactly the tokens, at the same positions, that it s
 unshared sequence.
 
 On CUDA in half precision this is flash attention's variable-length kernel; elsewhere (CPU, float32)
-a loop of per-sequence ``scaled_dot_product_attention`` calls, which also serves as the reference.
+one ``scaled_dot_product_attention`` over the sequences padded to the longest, with a mask.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Pa
     k, v = gather_keys(k, seqs), gather_keys(v, seqs)  # [N_kv,k,d]
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         return _flash_varlen(q, k, v, seqs)
-    return _per_sequence(q, k, v, seqs)
+    return _padded_sequences(q, k, v, seqs)
 
 
 def _flash_varlen(q, k, v, seqs: PackedSequences) -> torch.Tensor:
@@ -72,14 +72,19 @@ def _varlen_takes_gqa() -> bool:
     return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
-def _per_sequence(q, k, v, seqs: PackedSequences) -> torch.Tensor:
-    gqa = q.shape[1] != k.shape[1]
-    cu_q, cu_k = seqs.cu_q.tolist(), seqs.cu_k.tolist()
-    out = []
-    for s in range(len(cu_q) - 1):
-        qs = q[cu_q[s]:cu_q[s + 1]].transpose(0, 1)  # [h,len_q,d]
-        ks, vs = (t[cu_k[s]:cu_k[s + 1]].transpose(0, 1) for t in (k, v))  # [k,len_k,d]
-        len_q, len_k = qs.shape[1], ks.shape[1]
-        mask = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(len_k - len_q)
-        out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa).transpose(0, 1))
-    return torch.cat(out)
+def _padded_sequences(q, k, v, seqs: PackedSequences) -> torch.Tensor:
+    """The sequences padded to [S, longest] and one masked ``scaled_dot_product_attention``."""
+    cu_q, cu_k = seqs.cu_q.long(), seqs.cu_k.long()
+    len_q, len_k = cu_q.diff(), cu_k.diff()  # [S]
+    jq = torch.arange(seqs.max_q, device=q.device)
+    jk = torch.arange(seqs.max_k, device=q.device)
+    valid_q, valid_k = jq < len_q[:, None], jk < len_k[:, None]  # [S,max_q], [S,max_k]
+    rows_q = torch.where(valid_q, cu_q[:-1, None] + jq, 0)
+    rows_k = torch.where(valid_k, cu_k[:-1, None] + jk, 0)
+    # query j of a sequence sees its keys up to j + len_k - len_q; padded queries see every key
+    # (their rows are dropped) so that no row is empty
+    sees = jk <= jq[:, None] + (len_k - len_q)[:, None, None]  # [S,max_q,max_k]
+    mask = (sees & valid_k[:, None, :]) | ~valid_q[:, :, None]
+    qs, ks, vs = (t[i].transpose(1, 2) for t, i in ((q, rows_q), (k, rows_k), (v, rows_k)))  # [S,heads,len,d]
+    out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2)[valid_q]  # [N,h,d]: the sequences' queries are the packed tokens in order
