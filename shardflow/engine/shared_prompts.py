@@ -22,9 +22,10 @@ from shardflow.engine.micro_batches import MicroBatch, make_micro_batches, split
 from shardflow.models.packed_attention import PackedSequences
 
 
-# Packed rows pay for their tokens saved with slower attention (the key gather, and on GPUs flash
-# attention's variable-length kernel, 1.2-1.6x cuDNN's on an H200): below this share of the padded
-# rows' tokens saved, they are not used (BENCHMARKS.md, "Shared prompts").
+# Packed rows pay for the tokens they save with slower attention (the key gather, and on GPUs flash
+# attention's variable-length kernel, slower than cuDNN's: about twice the padded rows' attention
+# time per layer on an H200): below this share of the padded rows' tokens saved, they are not used
+# (BENCHMARKS.md, "Shared prompts in inference and training").
 MIN_SAVING = 0.05
 
 
