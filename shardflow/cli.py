@@ -33,7 +33,8 @@ def _profile(args: argparse.Namespace) -> None:
     from shardflow.plan.profiler import run_profile
 
     run_profile(args.model, args.out, tps=args.tp, quick=args.quick, ranks=args.ranks, device=args.device,
-                cuda_graphs=args.cuda_graphs, compile_layers=not args.eager_layers)
+                cuda_graphs=args.cuda_graphs, compile_layers=not args.eager_layers,
+                transposed_weights=args.transposed_weights)
 
 
 def _add_plan(sub) -> None:
@@ -69,6 +70,9 @@ def _add_plan(sub) -> None:
     prof.add_argument("--cuda-graphs", action="store_true", help="time decode steps as replayed CUDA graphs")
     prof.add_argument("--eager-layers", action="store_true",
                       help="time tp=1 layers uncompiled, for runs whose models set compile: false")
+    prof.add_argument("--transposed-weights", action="store_true",
+                      help="decode with every product's weight stored transposed, for runs that set "
+                           "generation.transposed_weights")
     prof.add_argument("--device", default=None, help="cuda | cpu (default: cuda when present)")
     prof.set_defaults(run=_profile)
 

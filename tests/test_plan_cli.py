@@ -109,6 +109,29 @@ def test_profile_command_measures_a_small_shape(experiment, tmp_path, capsys):
     assert "(profile of cpu)" in capsys.readouterr().out
 
 
+def test_profile_decodes_with_the_weights_the_engine_reads(tmp_path, monkeypatch):
+    """--transposed-weights: the profiled decode layer reads transposed copies, as the engine does."""
+    from shardflow.models.transformer import Transformer
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**SMALL, "hidden_size": 64, "num_attention_heads": 4,
+                                                    "num_key_value_heads": 2, "intermediate_size": 128,
+                                                    "vocab_size": 256, "num_hidden_layers": 2}))
+    layouts = []
+    original = Transformer.make_decode_weights
+
+    def recording(self, transposed=False):
+        original(self, transposed)
+        layouts.append(self.decode_weights_layout)
+
+    monkeypatch.setattr(Transformer, "make_decode_weights", recording)
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--model", str(model), "--quick", "--tp", "1", "--ranks", "0", "--transposed-weights",
+                 "--out", str(out)]) == 0
+    assert layouts == ["transposed"]
+
+
 def test_link_measurement_over_ranks(pool, tmp_path):
     path = tmp_path / "links.json"
     pool.run(measure_links, str(path), (2**12, 2**16, 2**18), 2)

@@ -133,8 +133,8 @@ def _positions(batch: int, length: int, device: torch.device, start: int = 0) ->
 
 
 def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, dtype: torch.dtype, *,
-                  cuda_graphs: bool = False, compile_layers: bool = True, roofline: Roofline = Roofline(),
-                  cluster: Cluster | None = None) -> LayerProfile:
+                  cuda_graphs: bool = False, compile_layers: bool = True, transposed_weights: bool = False,
+                  roofline: Roofline = Roofline(), cluster: Cluster | None = None) -> LayerProfile:
     model = one_layer_model(cfg, tp, device, dtype)
     layer = model.model.layers["0"]
     H = cfg.hidden_size
@@ -169,10 +169,11 @@ def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, d
 
     shape = layer_shape(cfg, tp)
     kv_local = shape.kv_dim // cfg.head_dim
-    # The engine decodes with fused q/k/v and gate/up copies on GPUs and compiles its whole decode
-    # step at tp=1: so does the layer's share of it here.
-    if device.type == "cuda":
-        model.make_decode_weights()
+    # The engine decodes with fused q/k/v and gate/up copies on GPUs (every product's weight stored
+    # transposed with ``transposed_weights``) and compiles its whole decode step at tp=1: so does the
+    # layer's share of it here.
+    if device.type == "cuda" or transposed_weights:
+        model.make_decode_weights(transposed=transposed_weights)
     decode = compiled_or_eager(decode_layer, "the profiled decode layer", dynamic=True) if compiled else decode_layer
     rows: list[list[float | None]] = []
     for batch in grid.batches:
@@ -265,7 +266,8 @@ def profile_head(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, dt
 
 
 def profile_model(cfg: ModelConfig, *, tps: tuple[int, ...], grid: Grid = Grid(), device: torch.device,
-                  dtype: torch.dtype, cuda_graphs: bool = False, compile_layers: bool = True, echo=print) -> Profile:
+                  dtype: torch.dtype, cuda_graphs: bool = False, compile_layers: bool = True,
+                  transposed_weights: bool = False, echo=print) -> Profile:
     rates = measure_rates(device, dtype)
     echo(f"GEMM {rates['matmul_flops'] / 1e12:.1f} TFLOP/s, copy {rates['hbm_bandwidth'] / 1e9:.0f} GB/s")
     cluster = Cluster().with_rates(**rates)
@@ -277,7 +279,7 @@ def profile_model(cfg: ModelConfig, *, tps: tuple[int, ...], grid: Grid = Grid()
             continue
         t0 = time.perf_counter()
         layer = profile_layer(cfg, tp, grid, device, dtype, cuda_graphs=cuda_graphs, compile_layers=compile_layers,
-                              cluster=cluster)
+                              transposed_weights=transposed_weights, cluster=cluster)
         profile.layers.setdefault(layer_key(cfg), {})[tp] = layer
         profile.heads.setdefault(head_key(cfg), {})[tp] = profile_head(cfg, tp, grid, device, dtype)
         echo(f"tp={tp}: layer forward {layer.forward(grid.tokens[-1], grid.seqlens[0]) * 1e3:.3f} ms at "
@@ -331,7 +333,7 @@ def measure_links(world, out_path: str, sizes: tuple[int, ...], reps: int = 5) -
 
 def run_profile(model: str, out: str, *, tps: str = "1,2,4,8", quick: bool = False, ranks: int | None = None,
                 device: str | None = None, cuda_graphs: bool = False, compile_layers: bool = True,
-                echo=print) -> Profile:
+                transposed_weights: bool = False, echo=print) -> Profile:
     cfg = ModelConfig.from_pretrained(model)
     try:
         tp_list = tuple(int(t) for t in str(tps).split(",") if t)
@@ -344,7 +346,8 @@ def run_profile(model: str, out: str, *, tps: str = "1,2,4,8", quick: bool = Fal
         raise ValueError("--device cuda was asked for but CUDA is not available")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     profile = profile_model(cfg, tps=tp_list, grid=QUICK if quick else Grid(), device=dev, dtype=dtype,
-                            cuda_graphs=cuda_graphs, compile_layers=compile_layers, echo=echo)
+                            cuda_graphs=cuda_graphs, compile_layers=compile_layers,
+                            transposed_weights=transposed_weights, echo=echo)
     if ranks is None:
         ranks = torch.cuda.device_count() if dev.type == "cuda" else 0
     if ranks > 1:
