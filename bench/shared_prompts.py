@@ -9,7 +9,8 @@ rows: parity on this device, then the training call's time on the GRPO iteration
    prompts, in the run's dtype (bf16 on GPU, where shared rows use flash attention's variable-length
    kernel) and in float32 with padded rows as the reference. The shared rows' error against the
    reference must stay within 1.5x of the padded rows' own (plus a floor of bf16 noise), for the
-   log-probabilities and for the gradient; the script exits non-zero otherwise.
+   log-probabilities and for the gradient, and the shared rows must hold fewer tokens; the script
+   exits non-zero otherwise.
 2. attention: forward and backward of one layer's attention over one micro-batch of the workload,
    padded rows (``scaled_dot_product_attention``, causal) against shared rows (the key gather and
    the variable-length kernel), and the gather alone.
@@ -103,17 +104,19 @@ def parity(work: Path, device: torch.device, dtype: torch.dtype) -> dict:
         logprobs = infer(model, layout, world, batch, "logprobs", micro_batch_tokens=1024, outputs_at="loss_mask",
                          share_prompts=share).token_fields["logprobs"].float().cpu()
         engine = TrainEngine(model, layout, world, OptimConfig(lr=1e-3, max_grad_norm=None))
-        engine.step(batch, PolicyLoss(), micro_batch_tokens=1024, share_prompts=share)
-        return logprobs[wanted], engine.grads.flat.float().cpu().clone()
+        metrics = engine.step(batch, PolicyLoss(), micro_batch_tokens=1024, share_prompts=share)
+        return logprobs[wanted], engine.grads.flat.float().cpu().clone(), metrics["model_tokens"]
 
-    ref_lp, ref_grad = run(torch.float32, False)
+    ref_lp, ref_grad, _ = run(torch.float32, False)
     out = {}
     for name, share in (("padded", False), ("shared", True)):
-        lp, grad = run(dtype, share)
+        lp, grad, tokens = run(dtype, share)
         out[name] = {"logprob_max_abs_err": (lp - ref_lp).abs().max().item(),
-                     "grad_rel_err": ((grad - ref_grad).norm() / ref_grad.norm()).item()}
+                     "grad_rel_err": ((grad - ref_grad).norm() / ref_grad.norm()).item(), "model_tokens": tokens}
     floor = 1e-4 if dtype == torch.float32 else 2e-2  # summation-order noise of each dtype
-    out["ok"] = all(out["shared"][k] <= 1.5 * out["padded"][k] + floor for k in out["padded"])
+    errors = ("logprob_max_abs_err", "grad_rel_err")
+    out["ok"] = (all(out["shared"][k] <= 1.5 * out["padded"][k] + floor for k in errors)
+                 and out["shared"]["model_tokens"] < out["padded"]["model_tokens"])  # and rows were shared
     return out
 
 
