@@ -20,11 +20,13 @@
 #   bench/h200.sh OUT j   shared prompts: parity against padded rows, attention and the training call's
 #                         time on the GRPO shape and with 1K-token prompts; the GRPO iteration (no TRL)
 #                         with prompts shared (the default), then padded
+#   bench/h200.sh OUT k   shared prompts (parity, attention, the training call) on the GRPO shape; one
+#                         GRPO iteration against TRL
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
-OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j}
-PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j}
+OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k}
+PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORK=$(mktemp -d)
 LOG=$OUT/log.txt
@@ -113,6 +115,10 @@ case $PART in
     mv "$OUT/shared_prompts.json" "$OUT/shared_long_prompts.json" 2>/dev/null
     iteration shared
     iteration padded --set algorithm.share_prompts=false
+    ;;
+  k)
+    run shared_prompts 150 shared_prompts.json python3 bench/shared_prompts.py
+    run iteration 400 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 3 --skip-planner
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40

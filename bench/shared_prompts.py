@@ -12,8 +12,10 @@ rows: parity on this device, then the training call's time on the GRPO iteration
    log-probabilities and for the gradient, and the shared rows must hold fewer tokens; the script
    exits non-zero otherwise.
 2. attention: forward and backward of one layer's attention over one micro-batch of the workload,
-   padded rows (``scaled_dot_product_attention``, causal) against shared rows (the key gather and
-   the variable-length kernel), and the gather alone.
+   padded rows (``scaled_dot_product_attention``, causal) against shared rows (two variable-length
+   attentions merged, ``models.packed_attention``), and the samples' self-attention part alone,
+   with flash attention's kernel and, on GPUs, with cuDNN's variable-length kernel (which
+   ``varlen_attn`` keeps off; KV heads repeated for it), with their outputs' difference.
 3. speed: one training step of the GRPO iteration's call (``--prompts`` x ``--samples`` sequences of
    ``--prompt-tokens`` + ``--response-tokens``), padded and shared, median of ``--steps`` after a
    warm-up, with the tokens each runs through the layers.
@@ -41,7 +43,7 @@ from shardflow.batch import SequenceBatch  # noqa: E402
 from shardflow.engine.inference import infer  # noqa: E402
 from shardflow.engine.optimizer import OptimConfig  # noqa: E402
 from shardflow.engine.shared_prompts import group_by_prompt, make_shared_micro_batches, split_rows  # noqa: E402
-from shardflow.models.packed_attention import gather_keys, packed_attention  # noqa: E402
+from shardflow.models.packed_attention import _attend, _attend_backward, _samples, packed_attention  # noqa: E402
 from shardflow.models.transformer import causal_attention  # noqa: E402
 from shardflow.engine.train import TrainEngine  # noqa: E402
 from shardflow.models.checkpoint import load_model  # noqa: E402
@@ -153,16 +155,43 @@ def attention(device: torch.device, dtype: torch.dtype, shape: dict, args) -> di
     def backward_of(out: torch.Tensor) -> None:
         out.backward(torch.ones_like(out))
 
-    slots = len(mb.packed.kv_index)
-    key_grads = [torch.ones(slots, kv, d, device=device, dtype=dtype) for _ in range(2)]
+    seqs = mb.packed
+    result = {"padded_rows": rows, "padded_length": length, "shared_tokens": tokens,
+              "padded_ms": timed(lambda: backward_of(causal_attention(*padded, None))),
+              "shared_ms": timed(lambda: backward_of(packed_attention(*shared, seqs)))}
+    q, k, v = (t.detach()[seqs.prompt_tokens:] for t in shared)  # the samples' own tokens
+    d_out = torch.ones_like(q)
+    self_args = (*_samples(seqs), True)
 
-    def gather() -> None:
-        torch.autograd.backward([gather_keys(t, mb.packed) for t in shared[1:]], key_grads)
+    def flash_self():
+        out, lse, aux = _attend(q, k, v, *self_args)
+        _attend_backward(d_out, q, k, v, out, lse, *self_args, aux)
+        return out
 
-    return {"padded_rows": rows, "padded_length": length, "shared_tokens": tokens,
-            "padded_ms": timed(lambda: backward_of(causal_attention(*padded, None))),
-            "shared_ms": timed(lambda: backward_of(packed_attention(*shared, mb.packed))),
-            "gather_ms": timed(gather)}
+    result["self_flash_ms"] = timed(flash_self)
+    if device.type == "cuda":
+        result.update(cudnn_self(q, k, v, d_out, seqs, flash_self(), timed))
+    return result
+
+
+def cudnn_self(q, k, v, d_out, seqs, flash_out, timed) -> dict:
+    """The samples' self-attention on cuDNN's variable-length kernel, forward and backward."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1).contiguous() for t in (k, v))
+    cu, longest = seqs.cu_sample, seqs.max_sample
+
+    def run():
+        out, lse, *_, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
+            q, k, v, None, cu, cu, longest, longest, True, 0.0, True, False)
+        torch.ops.aten._cudnn_attention_backward(d_out, q, k, v, out, lse, seed, offset, torch.empty(0, device=q.device),
+                                                 cu, cu, longest, longest, 0.0, True)
+        return out
+
+    try:
+        diff = (run().float() - flash_out.float()).abs().max().item()
+        return {"self_cudnn_ms": timed(run), "self_cudnn_max_diff": diff}
+    except Exception as e:  # noqa: BLE001 - a measurement: record why it could not run
+        return {"self_cudnn_error": f"{type(e).__name__}: {e}"[:500]}
 
 
 def speed(work: Path, device: torch.device, dtype: torch.dtype, shape: dict, args) -> dict:
@@ -235,8 +264,10 @@ def main() -> None:
                           f"{p[k]['grad_rel_err']:.2e}" for k in ("padded", "shared")) + f" -> {'ok' if p['ok'] else 'FAILED'}")
     a = result["attention"]
     print(f"attention of one layer, forward + backward, one micro-batch: padded {a['padded_rows']} x "
-          f"{a['padded_length']} {a['padded_ms']:.3f} ms; shared {a['shared_tokens']} tokens {a['shared_ms']:.3f} ms "
-          f"(of which the key gather {a['gather_ms']:.3f} ms)")
+          f"{a['padded_length']} {a['padded_ms']:.3f} ms; shared {a['shared_tokens']} tokens {a['shared_ms']:.3f} ms; "
+          f"the samples' self-attention alone {a['self_flash_ms']:.3f} ms (flash; torch ops off GPUs)"
+          + (f", {a['self_cudnn_ms']:.3f} ms (cuDNN, max diff {a['self_cudnn_max_diff']:.1e})" if "self_cudnn_ms" in a
+             else f", cuDNN: {a.get('self_cudnn_error', 'not run')}"))
     if "speed" in result:
         print(f"| rows | s/step | tokens through the layers | micro-batches |  ({args.prompts} prompts x "
               f"{args.samples} samples x {args.prompt_tokens}+{args.response_tokens} tokens)")
