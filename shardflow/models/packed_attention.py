@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
+
+from shardflow.engine.compile_fallback import compiled_or_eager
 
 
 @dataclass(frozen=True)
@@ -62,34 +65,55 @@ class _SharedPromptAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, seqs: PackedSequences):
         r = seqs.prompt_tokens
-        out, lse, aux = _attend(q[:r], k[:r], v[:r], *_prompts(seqs), causal=True)
-        aux_sample = aux_cross = ()
+        out, lse_p, aux = _attend(q[:r], k[:r], v[:r], *_prompts(seqs), causal=True)
+        lse_s, aux_sample, aux_cross = lse_p[:, :0], (), ()
         if r < q.shape[0]:
             out_s, lse_s, aux_sample = _attend(q[r:], k[r:], v[r:], *_samples(seqs), causal=True)
             out_c, lse_c, aux_cross = _attend(q[r:], k[:r], v[:r], *_cross(seqs), causal=False)
-            merged = torch.logaddexp(lse_s, lse_c)  # [h, N-r]
-            own, prompt = ((x - merged).exp().T[..., None] for x in (lse_s, lse_c))  # [N-r,h,1]
-            out = torch.cat([out, (out_s.float() * own + out_c.float() * prompt).to(out.dtype)])
-            lse = torch.cat([lse, merged], dim=1)
+            out, lse_s = _fused(_merge, q)(out, out_s, lse_s, out_c, lse_c)
         ctx.seqs, ctx.num_aux = seqs, (len(aux), len(aux_sample))
-        ctx.save_for_backward(q, k, v, out, lse, *aux, *aux_sample, *aux_cross)
+        ctx.save_for_backward(q, k, v, out, lse_p, lse_s, *aux, *aux_sample, *aux_cross)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         seqs, r = ctx.seqs, ctx.seqs.prompt_tokens
-        q, k, v, out, lse, *aux = ctx.saved_tensors
+        q, k, v, out, lse_p, lse_s, *aux = ctx.saved_tensors
         a, b = ctx.num_aux
         d_out = d_out.contiguous()
         part = lambda t: (t[:r], t[r:])  # noqa: E731 - prompts, samples' own tokens
         (q_p, q_s), (k_p, k_s), (v_p, v_s), (o_p, o_s), (g_p, g_s) = map(part, (q, k, v, out, d_out))
-        lse_p, lse_s = lse[:, :r].contiguous(), lse[:, r:].contiguous()
-        dq, dk, dv = _attend_backward(g_p, q_p, k_p, v_p, o_p, lse_p, *_prompts(seqs), True, aux[:a])
-        if r < q.shape[0]:
-            dq_s, dk_s, dv_s = _attend_backward(g_s, q_s, k_s, v_s, o_s, lse_s, *_samples(seqs), True, aux[a:a + b])
-            dq_c, dk_c, dv_c = _attend_backward(g_s, q_s, k_p, v_p, o_s, lse_s, *_cross(seqs), False, aux[a + b:])
-            dq, dk, dv = torch.cat([dq, dq_s + dq_c]), torch.cat([dk + dk_c, dk_s]), torch.cat([dv + dv_c, dv_s])
-        return dq, dk, dv, None
+        grads = _attend_backward(g_p, q_p, k_p, v_p, o_p, lse_p, *_prompts(seqs), True, aux[:a])
+        if r == q.shape[0]:
+            return *grads, None
+        grads_s = _attend_backward(g_s, q_s, k_s, v_s, o_s, lse_s, *_samples(seqs), True, aux[a:a + b])
+        grads_c = _attend_backward(g_s, q_s, k_p, v_p, o_s, lse_s, *_cross(seqs), False, aux[a + b:])
+        return *_fused(_combine, q)(*grads, *grads_s, *grads_c), None
+
+
+def _merge(out_p, out_s, lse_s, out_c, lse_c):
+    """The prompts' outputs, then the samples' tokens' two attentions (over themselves, over their
+    prompt) merged by log-sum-exp: out [N,h,d] and the merged log-sum-exp [h,N-r]."""
+    lse = torch.logaddexp(lse_s, lse_c)
+    own, prompt = ((x - lse).exp().T[..., None] for x in (lse_s, lse_c))  # [N-r,h,1]
+    return torch.cat([out_p, (out_s.float() * own + out_c.float() * prompt).to(out_s.dtype)]), lse
+
+
+def _combine(dq_p, dk_p, dv_p, dq_s, dk_s, dv_s, dq_c, dk_c, dv_c):
+    """The three attentions' gradients as the packed row's: the cross attention's queries are the
+    samples' tokens, its keys the prompts'."""
+    return torch.cat([dq_p, dq_s + dq_c]), torch.cat([dk_p + dk_c, dk_s]), torch.cat([dv_p + dv_c, dv_s])
+
+
+def _fused(fn, like: torch.Tensor):
+    """``fn`` compiled on CUDA, where its elementwise passes over [N,h,d] become one kernel; eager
+    elsewhere."""
+    return _compiled(fn) if like.is_cuda else fn
+
+
+@lru_cache(maxsize=None)
+def _compiled(fn):
+    return compiled_or_eager(fn, f"packed attention's {fn.__name__}", dynamic=True)
 
 
 def _prompts(seqs: PackedSequences) -> tuple:
