@@ -12,8 +12,8 @@ rows: parity on this device, then the training call's time on the GRPO iteration
    log-probabilities and for the gradient, and the shared rows must hold fewer tokens; the script
    exits non-zero otherwise.
 2. attention: forward and backward of one layer's attention over one micro-batch of the workload,
-   padded rows (``scaled_dot_product_attention``, causal) against shared rows (two variable-length
-   attentions merged, ``models.packed_attention``), and each of the shared rows' attentions alone.
+   padded rows (``scaled_dot_product_attention``, causal) against shared rows (the key gather and
+   the variable-length kernel), and the gather alone.
 3. speed: one training step of the GRPO iteration's call (``--prompts`` x ``--samples`` sequences of
    ``--prompt-tokens`` + ``--response-tokens``), padded and shared, median of ``--steps`` after a
    warm-up, with the tokens each runs through the layers.
@@ -41,8 +41,7 @@ from shardflow.batch import SequenceBatch  # noqa: E402
 from shardflow.engine.inference import infer  # noqa: E402
 from shardflow.engine.optimizer import OptimConfig  # noqa: E402
 from shardflow.engine.shared_prompts import group_by_prompt, make_shared_micro_batches, split_rows  # noqa: E402
-from shardflow.models.packed_attention import (_attend, _attend_backward, _cross, _prompts, _samples,  # noqa: E402
-                                              packed_attention)
+from shardflow.models.packed_attention import gather_keys, packed_attention  # noqa: E402
 from shardflow.models.transformer import causal_attention  # noqa: E402
 from shardflow.engine.train import TrainEngine  # noqa: E402
 from shardflow.models.checkpoint import load_model  # noqa: E402
@@ -154,50 +153,16 @@ def attention(device: torch.device, dtype: torch.dtype, shape: dict, args) -> di
     def backward_of(out: torch.Tensor) -> None:
         out.backward(torch.ones_like(out))
 
-    seqs = mb.packed
-    result = {"padded_rows": rows, "padded_length": length, "shared_tokens": tokens,
-              "padded_ms": timed(lambda: backward_of(causal_attention(*padded, None))),
-              "shared_ms": timed(lambda: backward_of(packed_attention(*shared, seqs)))}
-    result["parts_ms"] = {name: timed(fn) for name, fn in attention_parts([t.detach() for t in shared], seqs).items()}
-    return result
+    slots = len(mb.packed.kv_index)
+    key_grads = [torch.ones(slots, kv, d, device=device, dtype=dtype) for _ in range(2)]
 
+    def gather() -> None:
+        torch.autograd.backward([gather_keys(t, mb.packed) for t in shared[1:]], key_grads)
 
-def attention_parts(qkv: list[torch.Tensor], seqs) -> dict:
-    """Each of the shared rows' attentions alone, forward and backward, and a variant of the cross
-    attention with one query sequence per sample over a copy of its prompt's keys (instead of one
-    per prompt over the prompt itself: flash attention's backward walks a key block's queries in
-    sequence, which a prompt's samples together make long)."""
-    q, k, v = qkv
-    r = seqs.prompt_tokens
-    d_out = torch.ones_like(q)
-
-    def part(rows_q, rows_k, cu_q, cu_k, max_q, max_k, causal, gather=None):
-        def run():
-            kk, vv = (k[rows_k], v[rows_k]) if gather is None else (k.index_select(0, gather), v.index_select(0, gather))
-            out, lse, aux = _attend(q[rows_q], kk, vv, cu_q, cu_k, max_q, max_k, causal)
-            grads = _attend_backward(d_out[rows_q], q[rows_q], kk, vv, out, lse, cu_q, cu_k, max_q, max_k, causal, aux)
-            if gather is not None:  # the copies' key gradients summed back into the prompts'
-                for g in grads[1:]:
-                    torch.zeros_like(k).index_add_(0, gather, g)
-        return run
-
-    prompts, samples = slice(0, r), slice(r, None)
-    # one key sequence per sample: a copy of its prompt's tokens
-    sample_lens, prompt_at = seqs.cu_sample.diff().tolist(), seqs.cu_prompt.tolist()
-    own_at, copies, k_lens, s = seqs.cu_own.tolist(), [], [], 0
-    for g in range(len(prompt_at) - 1):
-        while s < len(sample_lens) and int(seqs.cu_sample[s]) < own_at[g + 1]:
-            copies.append(torch.arange(prompt_at[g], prompt_at[g + 1]))
-            k_lens.append(prompt_at[g + 1] - prompt_at[g])
-            s += 1
-    cu_copies = torch.tensor([0, *k_lens]).cumsum(0).to(torch.int32).to(q.device)
-    return {
-        "prompts": part(prompts, prompts, *_prompts(seqs), True),
-        "samples": part(samples, samples, *_samples(seqs), True),
-        "cross_per_prompt": part(samples, prompts, *_cross(seqs), False),
-        "cross_per_sample": part(samples, None, seqs.cu_sample, cu_copies, seqs.max_sample, seqs.max_prompt, False,
-                                 gather=torch.cat(copies).to(q.device)),
-    }
+    return {"padded_rows": rows, "padded_length": length, "shared_tokens": tokens,
+            "padded_ms": timed(lambda: backward_of(causal_attention(*padded, None))),
+            "shared_ms": timed(lambda: backward_of(packed_attention(*shared, mb.packed))),
+            "gather_ms": timed(gather)}
 
 
 def speed(work: Path, device: torch.device, dtype: torch.dtype, shape: dict, args) -> dict:
@@ -270,8 +235,8 @@ def main() -> None:
                           f"{p[k]['grad_rel_err']:.2e}" for k in ("padded", "shared")) + f" -> {'ok' if p['ok'] else 'FAILED'}")
     a = result["attention"]
     print(f"attention of one layer, forward + backward, one micro-batch: padded {a['padded_rows']} x "
-          f"{a['padded_length']} {a['padded_ms']:.3f} ms; shared {a['shared_tokens']} tokens {a['shared_ms']:.3f} ms; its parts: "
-          + ", ".join(f"{k} {v:.3f}" for k, v in a["parts_ms"].items()) + " ms alone")
+          f"{a['padded_length']} {a['padded_ms']:.3f} ms; shared {a['shared_tokens']} tokens {a['shared_ms']:.3f} ms "
+          f"(of which the key gather {a['gather_ms']:.3f} ms)")
     if "speed" in result:
         print(f"| rows | s/step | tokens through the layers | micro-batches |  ({args.prompts} prompts x "
               f"{args.samples} samples x {args.prompt_tokens}+{args.response_tokens} tokens)")

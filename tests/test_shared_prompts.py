@@ -79,8 +79,8 @@ def test_the_packed_row_holds_every_sample_at_its_own_positions():
     batch = hand_batch()
     runs = split_rows(group_by_prompt(batch, "loss_mask"), batch.lengths.tolist(), 100)
     (mb,) = make_shared_micro_batches(batch, runs, torch.device("cpu"), outputs_at="loss_mask")
-    assert mb.ids.tolist() == [[5, 6, 7, 5, 6, 1, 2, 3, 4, 4, 4, 9]]  # each prompt once, first
-    assert mb.positions.tolist() == [[0, 1, 2, 0, 1, 3, 4, 3, 3, 4, 5, 2]]
+    assert mb.ids.tolist() == [[5, 6, 7, 1, 2, 3, 4, 4, 4, 5, 6, 9]]  # each prompt once
+    assert mb.positions.tolist() == [[0, 1, 2, 3, 4, 3, 3, 4, 5, 0, 1, 2]]
     ids = mb.batch.token_fields["input_ids"]
     own_positions = torch.cat([torch.arange(n) for n in mb.batch.lengths.tolist()])
     assert torch.equal(mb.ids.flatten()[mb.token_index], ids)  # every sample's tokens, in order
@@ -89,28 +89,14 @@ def test_the_packed_row_holds_every_sample_at_its_own_positions():
     assert torch.equal(mb.wanted_targets, ids[mb.wanted])
     assert torch.equal(mb.wanted_before, mb.token_index[mb.wanted - 1])
     assert mb.batch.token_fields["loss_mask"][mb.wanted].all() and len(mb.wanted) == 7
-    seqs = mb.packed
-    assert seqs.prompt_tokens == 5 and seqs.cu_prompt.tolist() == [0, 3, 5] and seqs.max_prompt == 3
-    assert seqs.cu_sample.tolist() == [0, 2, 3, 6, 7] and seqs.max_sample == 3  # after the prompts
-    assert seqs.cu_own.tolist() == [0, 6, 7] and seqs.max_own == 6  # each prompt's samples' own tokens
+    assert mb.packed.cu_q.tolist() == [0, 3, 5, 6, 9, 11, 12] and mb.packed.max_q == 3
+    assert mb.packed.cu_k.tolist() == [0, 3, 8, 12, 18, 20, 23] and mb.packed.max_k == 6
 
 
-def degenerate_batch() -> SequenceBatch:
-    """hand_batch, plus samples that are all prompt (no loss tokens): one beside a prompt's other
-    samples, and one alone, whose prompt has no own tokens to attend from it."""
-    seqs = [([5, 6, 7, 1, 2], 3), ([5, 6, 7], 3), ([8, 8, 8, 8], 4), ([5, 6, 7, 4, 4, 4], 3)]
-    return SequenceBatch.from_lists(range(4), {
-        "input_ids": [torch.tensor(s) for s, _ in seqs],
-        "loss_mask": [(torch.arange(len(s)) >= p).float() for s, p in seqs],
-    })
-
-
-@pytest.mark.parametrize("make_batch", [lambda: make_group_batch(128, prompts=3, samples=3, seed=4),
-                                        degenerate_batch], ids=["groups", "degenerate"])
-def test_packed_attention_equals_causal_attention_per_sample(make_batch):
+def test_packed_attention_equals_causal_attention_per_sample():
     """Each sample's tokens, taken out of the packed row, attend as in their own causal sequence;
     so do the gradients (a shared prompt's summed over its samples)."""
-    batch = make_batch()
+    batch = make_group_batch(128, prompts=3, samples=3, seed=4)
     runs = split_rows(group_by_prompt(batch, "loss_mask"), batch.lengths.tolist(), 1000)
     (mb,) = make_shared_micro_batches(batch, runs, torch.device("cpu"), outputs_at="loss_mask")
     g = torch.Generator().manual_seed(0)
@@ -123,7 +109,7 @@ def test_packed_attention_equals_causal_attention_per_sample(make_batch):
     # a prompt's query rows recur in each of its samples here and once in the packed row: the
     # reference loss takes each copy at 1 / (number of copies)
     copies = torch.zeros(n).index_add_(0, mb.token_index, torch.ones(len(mb.token_index)))[:, None, None]
-    assert copies.max() > 1  # prompts are shared
+    assert copies.max() > 1  # the prompts' keys are gathered several times
     offsets = mb.batch.offsets.tolist()
     for s in range(len(mb.batch)):
         rows = mb.token_index[offsets[s]:offsets[s + 1]]

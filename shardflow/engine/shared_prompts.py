@@ -138,35 +138,35 @@ def _shared_micro_batch(batch: SequenceBatch, run: list[SharedRow], device: torc
     mb = batch.select(samples_of(run))
     ids = mb.token_fields["input_ids"].cpu()
     offsets, lengths = mb.offsets.tolist(), mb.lengths.tolist()
-    # every prompt first (once), then every sample's own tokens (see models.packed_attention)
-    prompt_at = torch.tensor([0, *(row.prefix for row in run)]).cumsum(0).tolist()
-    row_ids, positions, flat, cols, sample_lens, own_lens = [], [], [], [], [], []
-    j = 0  # next sample of mb
+    row_ids, positions, flat, kv, q_lens, k_lens, cols = [], [], [], [], [], [], []
+    at, j = 0, 0  # next packed position; next sample of mb
     for row in run:
-        row_ids.append(ids[offsets[j]:offsets[j] + row.prefix])
-        positions.append(torch.arange(row.prefix))
-        j += len(row.samples)
-    at, j = prompt_at[-1], 0  # next packed position; next sample of mb
-    for g, row in enumerate(run):
         p = row.prefix
-        prompt = torch.arange(prompt_at[g], prompt_at[g] + p)
-        own_lens.append(0)
+        prompt = torch.arange(at, at + p)
+        row_ids.append(ids[offsets[j]:offsets[j] + p])
+        positions.append(torch.arange(p))
+        kv.append(prompt)
+        q_lens.append(p)
+        k_lens.append(p)
+        at += p
         for _ in row.samples:
             a, n = offsets[j], lengths[j]
+            own = torch.arange(at, at + n - p)
             row_ids.append(ids[a + p:a + n])
             positions.append(torch.arange(p, n))
-            flat.append(torch.cat([prompt, torch.arange(at, at + n - p)]))
+            flat.append(torch.cat([prompt, own]))
             cols.append(torch.arange(n))
             if n > p:
-                sample_lens.append(n - p)
-                own_lens[-1] += n - p
+                kv.append(torch.cat([prompt, own]))
+                q_lens.append(n - p)
+                k_lens.append(n)
             at += n - p
             j += 1
     flat_index, col = torch.cat(flat), torch.cat(cols)
     keep = (mb.token_fields[outputs_at].cpu() > 0) & (col > 0)
     if not keep.any():  # outputs at every token but the firsts, zero-weighted by the same field
         keep = col > 0
-    packed = PackedSequences.build([row.prefix for row in run], sample_lens, own_lens)
+    packed = PackedSequences.build(torch.cat(kv), q_lens, k_lens)
     return MicroBatch(
         batch=mb.to(device),
         ids=torch.cat(row_ids)[None].to(device),
