@@ -63,15 +63,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-def fused_linear(x: torch.Tensor, *linears: nn.Linear) -> torch.Tensor:
-    """The linears that read the same input as one product over their weights concatenated
-    (outputs side by side): one larger GEMM instead of several, and in backward one product for
-    the input's gradient instead of one per linear and their sum. The parameters stay separate."""
-    weight = torch.cat([m.weight for m in linears])
-    bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
-    return F.linear(x, weight, bias)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: RankShard, layer: int, group: ProcessGroup | None):
         super().__init__()
@@ -94,12 +85,12 @@ class Attention(nn.Module):
                 packed: PackedSequences | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         x = copy_to_tp(x, self.group)
-        sizes = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
         if self.decode_qkv is not None and not torch.is_grad_enabled():
-            qkv = self.decode_qkv(x)
+            q, k, v = self.decode_qkv(x).split(
+                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                 self.num_kv_heads * self.head_dim], dim=-1)
         else:
-            qkv = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = qkv.split(sizes, dim=-1)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(B, T, self.num_heads, self.head_dim)
         k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
         v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
@@ -135,7 +126,7 @@ class MLP(nn.Module):
         if self.decode_gate_up is not None and not torch.is_grad_enabled():
             gate, up = self.decode_gate_up(x).chunk(2, dim=-1)
         else:
-            gate, up = fused_linear(x, self.gate_proj, self.up_proj).chunk(2, dim=-1)
+            gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
 
 
