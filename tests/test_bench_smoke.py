@@ -59,3 +59,15 @@ def test_decode_profile_sweep_and_summary_in_the_interpreter():
                           text=True, timeout=300)
     assert done.returncode == 0 and "checked" in done.stdout and "attention b1 ctx128: picked" in done.stdout, \
         done.stderr[-4000:]
+
+
+def test_prompt_kv_cascade_equals_the_engine_kernel_in_the_interpreter(tmp_path):
+    """The cascade of bench/prompt_kv_attention.py (the prompt's positions read once per prompt)
+    gives the engine's decode attention output."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(BENCH / "prompt_kv_attention.py"), "--tiny", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads((tmp_path / "prompt_kv_attention.json").read_text())["rows"]
+    assert rows and all(r["max_abs_diff"] < 1e-5 for r in rows)
