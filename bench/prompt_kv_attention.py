@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from generation import kernel_timed, measure_bandwidth  # noqa: E402
 
-from shardflow.engine.decode_attention import BLOCK_N, NUM_STAGES, NUM_WARPS, decode_attention_triton  # noqa: E402
+from shardflow.engine.decode_attention import (BLOCK_N, NUM_STAGES, NUM_WARPS, attend_positions,  # noqa: E402
+                                              decode_attention_triton)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -51,7 +52,6 @@ def _prefix_kernel(Q, K, V, GroupRows, GroupSlot, PrefixLen, Acc, Max, Sum,
     plen = tl.load(PrefixLen + g).to(tl.int32)
     offs_q = tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK)
     mask_q = offs_q < ROWS * GROUP
     mask_d = offs_d < HEAD_DIM
     rows = tl.load(GroupRows + g * ROWS + offs_q // GROUP, mask=mask_q, other=0).to(tl.int64)
@@ -65,24 +65,8 @@ def _prefix_kernel(Q, K, V, GroupRows, GroupSlot, PrefixLen, Acc, Max, Sum,
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    for n0 in range(0, plen, BLOCK):
-        pos = n0 + offs_n
-        mask_n = pos < plen
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + pos[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + pos[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = attend_positions(q, k_base, v_base, stride_kt, stride_vt, 0, plen, m_i, l_i, acc, scale_log2,
+                                     HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST)
     mask = mask_q[:, None] & mask_d[None, :]
     tl.store(Acc + rows[:, None] * stride_ab + heads[:, None] * stride_ah + offs_d[None, :], acc, mask=mask)
     tl.store(Max + rows * stride_mb + heads, m_i, mask=mask_q)
@@ -103,7 +87,6 @@ def _rows_kernel(Q, K, V, Slots, Lengths, PrefixLen, Acc, Max, Sum, Out,
     lo = tl.load(PrefixLen + b).to(tl.int32)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK)
     mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_h
@@ -116,24 +99,8 @@ def _rows_kernel(Q, K, V, Slots, Lengths, PrefixLen, Acc, Max, Sum, Out,
     acc = tl.load(Acc + b * stride_ab + heads[:, None] * stride_ah + offs_d[None, :], mask=mask, other=0.0)
     k_base = K + slot * stride_ks + kvh * stride_kh
     v_base = V + slot * stride_vs + kvh * stride_vh
-    for n0 in range(lo, length, BLOCK):
-        pos = n0 + offs_n
-        mask_n = pos < length
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + pos[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + pos[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = attend_positions(q, k_base, v_base, stride_kt, stride_vt, lo, length, m_i, l_i, acc, scale_log2,
+                                     HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST)
     tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
              (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask)
 

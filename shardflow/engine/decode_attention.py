@@ -67,6 +67,36 @@ def num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, pr
 if triton is not None:
 
     @triton.jit
+    def attend_positions(q, k_base, v_base, stride_kt, stride_vt, lo, hi, m_i, l_i, acc, scale_log2,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """Online softmax of the query rows ``q`` [rows, BLOCK_D] over positions [lo, hi) of one
+        slot's KV head: the running max ``m_i``, sum ``l_i`` and unnormalised output ``acc``,
+        updated BLOCK positions at a time."""
+        offs_n = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        for n0 in range(lo, hi, BLOCK):
+            pos = n0 + offs_n
+            mask_n = pos < hi
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(k_base + pos[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [rows, BLOCK]
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + pos[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
     def _split_kernel(Q, K, V, Slots, Lengths, Acc, Max, Sum, Out,
                       stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
                       stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
@@ -88,7 +118,6 @@ if triton is not None:
 
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
-        offs_n = tl.arange(0, BLOCK)
         mask_h = offs_h < GROUP
         mask_d = offs_d < HEAD_DIM
         heads = kvh * GROUP + offs_h
@@ -102,24 +131,8 @@ if triton is not None:
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for n0 in range(lo, hi, BLOCK):
-            pos = n0 + offs_n
-            mask_n = pos < hi
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(k_base + pos[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_H, BLOCK]
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + pos[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-            if UPCAST:
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        m_i, l_i, acc = attend_positions(q, k_base, v_base, stride_kt, stride_vt, lo, hi, m_i, l_i, acc, scale_log2,
+                                         HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST)
 
         if SPLITS == 1:  # nothing to merge: the output itself
             o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
