@@ -49,6 +49,36 @@ def check_kernel() -> None:
                                        msg=f"{H} {K} {d} {dtype} {window} {rows} splits {splits}")
 
 
+def check_shared_prompts() -> None:
+    """Rows whose groups share a prompt (``prompts``) give the outputs of reading every row's own
+    copy: groups of one row, of three, of PROMPT_ROWS, two adjacent groups with equal prompts,
+    rows without a prompt between them, padding rows; one split and several."""
+    from shardflow.engine.decode_attention import PROMPT_ROWS, decode_attention_triton
+
+    g = torch.Generator().manual_seed(2)
+    H, K, d = 4, 2, 16
+    # group ids and prompt lengths per row: (0: 1 row, prompt 5), (1: 3 rows, 40), (-1: no prompt),
+    # (2: PROMPT_ROWS rows, 64), (3: 2 rows, 64, next to group 2), two padding rows
+    spec = [(0, 5)] + [(1, 40)] * 3 + [(-1, 0)] + [(2, 64)] * PROMPT_ROWS + [(3, 64)] * 2 + [(-1, 0)] * 2
+    groups = torch.tensor([gid for gid, _ in spec])
+    prompt = torch.tensor([p for _, p in spec])
+    rows = len(spec)
+    slots = torch.randperm(rows + 1, generator=g)[:rows]
+    kc = torch.randn(rows + 1, K, 160, d, generator=g)
+    vc = torch.randn(rows + 1, K, 160, d, generator=g)
+    for gid in (1, 2, 3):  # a group's rows hold the same copy of its prompt
+        members = slots[groups == gid]
+        n = int(prompt[groups == gid][0])
+        kc[members, :, :n] = kc[members[:1], :, :n]
+        vc[members, :, :n] = vc[members[:1], :, :n]
+    lengths = prompt + torch.randint(1, 90, (rows,), generator=g)
+    q = torch.randn(rows, H, d, generator=g)
+    want = decode_attention_torch(q, kc, vc, slots, lengths, None)
+    for splits in (1, 3):
+        got = decode_attention_triton(q, kc, vc, slots, lengths, None, (groups, prompt), splits=splits)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"shared prompts, splits {splits}")
+
+
 def check_engine(path: str) -> None:
     """Greedy and sampled generation with the Triton kernel equal the torch path's."""
     from gen_helpers import local_model, prompts
@@ -70,7 +100,8 @@ def check_engine(path: str) -> None:
 
 def test_triton_kernel_matches_torch_in_the_interpreter(checkpoints):
     path = checkpoints.get("mistral_window", "mistral")  # a sliding window in decode too
-    code = (f"import test_decode_attention as t; t.check_kernel(); t.check_engine({path!r}); print('checked')")
+    code = (f"import test_decode_attention as t; t.check_kernel(); t.check_shared_prompts(); "
+            f"t.check_engine({path!r}); print('checked')")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                           text=True, timeout=600)

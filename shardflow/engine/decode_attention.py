@@ -10,7 +10,10 @@ Two implementations with the same contract:
   their log-sum-exp (with one split, the first kernel writes the output itself). The split count
   depends only on the batch size, so a CUDA graph captured for
   a batch size stays valid while lengths grow; each split's range is computed in the kernel from
-  the request's current length. Tested on CPU with ``TRITON_INTERPRET=1``.
+  the request's current length. Optionally (``prompts``), the samples of one prompt read the
+  prompt's positions once: a first kernel computes, per group of rows, the online-softmax state of
+  all their query heads over the prompt from one row's copy, and the split kernel continues from
+  it over each row's own positions. Tested on CPU with ``TRITON_INTERPRET=1``.
 
 Shapes: B requests, H local query heads, K local KV heads, S cache slots, M max length, d head dim.
 """
@@ -36,13 +39,19 @@ BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 4, 2
 # 64 KB of its 228 KB of shared memory): the splits fill one wave of them, and no more.
 PROGRAMS_PER_SM = 3
 MAX_SPLITS = 32
+# Most rows that one program reads a shared prompt's positions for (the engine gives each chunk of
+# this many samples of a prompt its own group): with GQA groups of 2-4 query heads, 16-32 query rows.
+PROMPT_ROWS = 8
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                           lengths: torch.Tensor, window: int | None) -> torch.Tensor:
+                           lengths: torch.Tensor, window: int | None,
+                           prompts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [B,H,d]; caches [S,K,M,d]; slots, lengths [B] -> [B,H,d].
 
     Row b attends to positions [max(0, lengths[b] - window), lengths[b]) of slot ``slots[b]``.
+    ``prompts`` (see ``decode_attention_triton``) changes which copy of a shared prompt is read,
+    not the result; this path reads every row's own.
     """
     k, v = k_cache[slots], v_cache[slots]  # [B,K,M,d]
     pos = torch.arange(k.shape[2], device=q.device)
@@ -97,13 +106,52 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
-    def _split_kernel(Q, K, V, Slots, Lengths, Acc, Max, Sum, Out,
+    def _prompt_kernel(Q, K, V, Slots, Groups, Prompt, Acc, Max, Sum, batch,
+                       stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
+                       stride_sb, stride_sh, stride_mb, scale_log2,
+                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """Program (row b, KV head): if b leads a run of rows of one group (see
+        ``decode_attention_triton``), the online-softmax state of the run's rows x GROUP query heads
+        over the group's shared prompt positions, read once from b's slot."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        group = tl.load(Groups + b)
+        prompt = tl.load(Prompt + b).to(tl.int32)
+        before = tl.load(Groups + tl.maximum(b - 1, 0))
+        leads = tl.where((prompt > 0) & ((b == 0) | (before != group)), 1, 0)
+        offs_q = tl.arange(0, BLOCK_Q)
+        offs_d = tl.arange(0, BLOCK_D)
+        rows = b + offs_q // GROUP
+        mask_d = offs_d < HEAD_DIM
+        in_run = (offs_q < ROWS * GROUP) & (rows < batch) & (offs_q * 0 + leads > 0)
+        in_run = in_run & (tl.load(Groups + rows, mask=in_run, other=-1) == group)
+        heads = kvh * GROUP + offs_q % GROUP
+        q = tl.load(Q + rows[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=in_run[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_Q, BLOCK_D]
+        if UPCAST:
+            q = q.to(tl.float32)
+        slot = tl.load(Slots + b).to(tl.int64)
+        k_base = K + slot * stride_ks + kvh * stride_kh
+        v_base = V + slot * stride_vs + kvh * stride_vh
+        m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q], tl.float32)
+        acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+        m_i, l_i, acc = attend_positions(q, k_base, v_base, stride_kt, stride_vt, 0, prompt * leads,
+                                         m_i, l_i, acc, scale_log2, HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST)
+        tl.store(Acc + rows[:, None] * stride_sb + heads[:, None] * stride_sh + offs_d[None, :], acc,
+                 mask=in_run[:, None] & mask_d[None, :])
+        tl.store(Max + rows * stride_mb + heads, m_i, mask=in_run)
+        tl.store(Sum + rows * stride_mb + heads, l_i, mask=in_run)
+
+    @triton.jit
+    def _split_kernel(Q, K, V, Slots, Lengths, Acc, Max, Sum, Out, Prompt, PromptAcc, PromptMax, PromptSum,
                       stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
                       stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
-                      scale_log2, window,
+                      stride_sb, stride_sh, stride_pmb, scale_log2, window,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-                      PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, SHARED: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -112,6 +160,9 @@ if triton is not None:
         start = length * 0
         if window > 0:
             start = tl.maximum(length - window, 0)
+        if SHARED:  # the prompt's positions are in the state _prompt_kernel left
+            prompt = tl.load(Prompt + b).to(tl.int32)
+            start = tl.maximum(start, prompt)
         chunk = tl.cdiv(tl.cdiv(length - start, SPLITS), BLOCK) * BLOCK
         lo = start + split * chunk
         hi = tl.minimum(lo + chunk, length)
@@ -128,9 +179,16 @@ if triton is not None:
         k_base = K + slot * stride_ks + kvh * stride_kh
         v_base = V + slot * stride_vs + kvh * stride_vh
 
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        if SHARED:  # the first split starts from the prompt's state (empty for rows without one)
+            has = mask_h & (offs_h * 0 + tl.where((prompt > 0) & (split == 0), 1, 0) > 0)
+            m_i = tl.load(PromptMax + b * stride_pmb + heads, mask=has, other=float("-inf"))
+            l_i = tl.load(PromptSum + b * stride_pmb + heads, mask=has, other=0.0)
+            acc = tl.load(PromptAcc + b * stride_sb + heads[:, None] * stride_sh + offs_d[None, :],
+                          mask=has[:, None] & mask_d[None, :], other=0.0)
+        else:
+            m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_H], tl.float32)
+            acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         m_i, l_i, acc = attend_positions(q, k_base, v_base, stride_kt, stride_vt, lo, hi, m_i, l_i, acc, scale_log2,
                                          HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST)
 
@@ -165,12 +223,18 @@ if triton is not None:
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                            lengths: torch.Tensor, window: int | None, *, block: int = BLOCK_N,
-                            programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
+                            lengths: torch.Tensor, window: int | None, prompts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            *, block: int = BLOCK_N, programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
                             num_stages: int = NUM_STAGES, splits: int | None = None) -> torch.Tensor:
     """Same contract as ``decode_attention_torch``; GPU (or ``TRITON_INTERPRET=1`` on CPU).
-    The keyword options are the kernel's tuning knobs (benchmarks sweep them); ``splits``
-    overrides ``num_splits``."""
+
+    ``prompts`` = (groups, prompt) [B] int: rows whose ``prompt`` > 0 begin with that many
+    positions that every row of their group holds identically in its own slot (the samples of one
+    prompt after a shared prefill). A group's rows must be adjacent, at most ``PROMPT_ROWS`` of
+    them, with the same ``prompt``; the first of them then reads those positions once for all (the
+    other rows read only their own), which the result does not depend on. Ignored with a
+    ``window``. The keyword options are the kernel's tuning knobs (benchmarks sweep them);
+    ``splits`` overrides ``num_splits``."""
     if triton is None:
         raise RuntimeError("the Triton decode attention needs the triton package")
     q = q.contiguous()  # a no-op for the model's q; a compiled graph may lay it out otherwise
@@ -189,15 +253,30 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # interpreter cannot multiply bf16 tiles, so there they are upcast to fp32 first.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     upcast = q.device.type != "cuda"
+    strides_qkv = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    scale_log2 = (1.0 / math.sqrt(d)) * math.log2(math.e)
+    shared = prompts is not None and not window
+    groups, prompt = prompts if shared else (lengths, lengths)  # unread without SHARED
+    prompt_acc = torch.empty(B, H, d, dtype=torch.float32, device=q.device) if shared else acc
+    prompt_max = torch.empty(B, H, dtype=torch.float32, device=q.device) if shared else row_max
+    prompt_sum = torch.empty_like(prompt_max) if shared else row_sum
+    if shared:
+        _prompt_kernel[(B, K)](
+            q, k_cache, v_cache, slots, groups, prompt, prompt_acc, prompt_max, prompt_sum, B, *strides_qkv,
+            prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0), scale_log2,
+            GROUP=group, HEAD_DIM=d, ROWS=PROMPT_ROWS, BLOCK_Q=max(16, triton.next_power_of_2(PROMPT_ROWS * group)),
+            BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, num_warps=num_warps,
+            num_stages=num_stages,
+        )
     _split_kernel[(B, K, splits)](
-        q, k_cache, v_cache, slots, lengths, acc, row_max, row_sum, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0), row_max.stride(1),
-        out.stride(0), out.stride(1),
-        (1.0 / math.sqrt(d)) * math.log2(math.e), window or 0,
+        q, k_cache, v_cache, slots, lengths, acc, row_max, row_sum, out, prompt, prompt_acc, prompt_max, prompt_sum,
+        *strides_qkv, acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0), row_max.stride(1),
+        out.stride(0), out.stride(1), prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0),
+        scale_log2, window or 0,
         GROUP=group, HEAD_DIM=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, SHARED=shared, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if splits == 1:
         return out
@@ -209,20 +288,23 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-# A registered operator, so that torch.compile treats the kernel as one opaque call.
+# A registered operator, so that torch.compile treats the kernels as one opaque call.
 @torch.library.custom_op("shardflow::decode_attention", mutates_args=())
 def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                        lengths: torch.Tensor, window: int) -> torch.Tensor:
-    return decode_attention_triton(q, k_cache, v_cache, slots, lengths, window or None)
+                        lengths: torch.Tensor, window: int, groups: torch.Tensor | None,
+                        prompt: torch.Tensor | None) -> torch.Tensor:
+    prompts = None if groups is None else (groups, prompt)
+    return decode_attention_triton(q, k_cache, v_cache, slots, lengths, window or None, prompts)
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, slots, lengths, window):
+def _(q, k_cache, v_cache, slots, lengths, window, groups, prompt):
     return q.new_empty(q.shape)  # contiguous, like the real output
 
 
-def _triton_via_op(q, k_cache, v_cache, slots, lengths, window):
-    return decode_attention_op(q, k_cache, v_cache, slots, lengths, window or 0)
+def _triton_via_op(q, k_cache, v_cache, slots, lengths, window, prompts=None):
+    groups, prompt = prompts if prompts is not None else (None, None)
+    return decode_attention_op(q, k_cache, v_cache, slots, lengths, window or 0, groups, prompt)
 
 
 # name -> attention function (the ``attention`` engine option)
