@@ -98,10 +98,42 @@ def check_engine(path: str) -> None:
         torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-5, rtol=0)
 
 
+def check_engine_sharing_prompts(path: str) -> None:
+    """With ``share_prompt_kv`` the engine's tokens and log-probabilities are the torch path's:
+    two prompts of 11 samples each (more than PROMPT_ROWS: two prompt groups per prompt), rows
+    leaving after 1-5 tokens (the batch compacts), greedy and sampled."""
+    from dataclasses import replace
+
+    from gen_helpers import local_model, prompts
+    from shardflow.engine.generate import Engine, EngineConfig
+    from shardflow.engine.requests import SamplingParams, make_requests
+
+    model = local_model(path)
+    outputs = {}
+    for attention in ("torch", "triton"):
+        engine = Engine(model, EngineConfig(max_seq_len=48, attention=attention, share_prompt_kv=True),
+                        eos_token_ids=())
+        shared = []  # the longest shared prompt each decode step passed to the attention
+        inner = engine.attention
+        engine.attention = lambda *args: (shared.append(int(args[6][1].max())), inner(*args))[1]
+        requests = make_requests(prompts()[:2], [SamplingParams(temperature=t, seed=3) for t in (0.0, 1.0)],
+                                 samples_per_prompt=11)
+        for i, r in enumerate(requests):
+            r.params = replace(r.params, max_new_tokens=1 + i % 5)
+        engine.generate(requests)
+        assert shared and min(shared) > 0
+        assert {(r.prompt_group, r.shared_prompt) for r in requests} == {(-1, 0)}  # no KV held any more
+        outputs[attention] = requests
+    for a, b in zip(outputs["torch"], outputs["triton"]):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-5, rtol=0)
+
+
 def test_triton_kernel_matches_torch_in_the_interpreter(checkpoints):
     path = checkpoints.get("mistral_window", "mistral")  # a sliding window in decode too
+    plain = checkpoints.get("llama_plain", "llama")
     code = (f"import test_decode_attention as t; t.check_kernel(); t.check_shared_prompts(); "
-            f"t.check_engine({path!r}); print('checked')")
+            f"t.check_engine({path!r}); t.check_engine_sharing_prompts({plain!r}); print('checked')")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                           text=True, timeout=600)

@@ -19,7 +19,8 @@ def fake_step(calls):
 
 
 def host_rows(tokens, positions, slots):
-    ints = torch.tensor([tokens, positions, slots, [0] * len(tokens), [7] * len(tokens)])
+    n = len(tokens)  # top_k 0, seed 7; each row its own prompt group (ids 20, 21, ...) of a 3-token prompt
+    ints = torch.tensor([tokens, positions, slots, [0] * n, [7] * n, list(range(20, 20 + n)), [3] * n])
     floats = torch.tensor([[1.0] * len(tokens), [0.5] * len(tokens)])
     return ints, floats
 
@@ -36,8 +37,9 @@ def test_rows_advance_in_place_padding_stays_on_the_scratch_slot_and_compaction_
     tokens, logprobs = runner.run("sample")
     assert tokens.tolist() == [15, 26, 37, 48, 59] and logprobs.tolist() == [0, 1, 2, 3, 4]
     ints, floats, mode = calls[-1]
-    assert ints.shape == (5, 8) and mode == "sample"  # padded to the bucket of 8
+    assert ints.shape == (7, 8) and mode == "sample"  # padded to the bucket of 8
     assert ints[2, 5:].tolist() == [SCRATCH] * 3 and ints[1, 5:].tolist() == [0] * 3  # the dummy rows
+    assert ints[5, 5:].tolist() == [-1] * 3 and ints[6, 5:].tolist() == [0] * 3  # sharing no prompt
     assert floats[0, 5:].tolist() == [0.0] * 3  # greedy
 
     tokens, _ = runner.run("sample")  # the step's own next inputs: its tokens at the next positions
@@ -49,7 +51,8 @@ def test_rows_advance_in_place_padding_stays_on_the_scratch_slot_and_compaction_
     runner.keep([0, 2, 4])  # rows 1 and 3 leave: bucket of 4, one padding row
     tokens, logprobs = runner.run("greedy")
     ints, floats, mode = calls[-1]
-    assert ints.shape == (5, 4) and mode == "greedy" and runner.batch == 3
+    assert ints.shape == (7, 4) and mode == "greedy" and runner.batch == 3
+    assert ints[5].tolist() == [20, 22, 24, -1]  # prompt groups move with their rows
     assert ints[0, :3].tolist() == [previous[0], previous[2], previous[4]]
     assert ints[1, :3].tolist() == [6, 8, 10] and ints[2].tolist() == [0, 2, 4, SCRATCH]
     assert ints[1, 3] == 0 and floats[:, :3].tolist() == [[1.0] * 3, [0.5] * 3]
@@ -64,4 +67,4 @@ def test_without_padding_a_step_computes_only_its_rows():
     runner.run("greedy")
     runner.keep([2])
     tokens, _ = runner.run("greedy")
-    assert calls[-1][0].shape == (5, 1) and tokens.tolist() == [10 * 31 + 1 + 1]
+    assert calls[-1][0].shape == (7, 1) and tokens.tolist() == [10 * 31 + 1 + 1]

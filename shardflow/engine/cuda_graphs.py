@@ -1,7 +1,7 @@
 """Decode steps run from persistent device buffers, optionally replayed as CUDA graphs.
 
-A decode step reads its inputs from fixed device buffers: ``ints`` [5, N] (tokens, positions,
-slots, top_k, seeds) and ``floats`` [2, N] (temperatures, top_p), of which the first rows hold
+A decode step reads its inputs from fixed device buffers: ``ints`` [7, N] (tokens, positions,
+slots, top_k, seeds, shared-prompt groups and their prompt lengths) and ``floats`` [2, N] (temperatures, top_p), of which the first rows hold
 the batch. After sampling, the step itself writes the next step's inputs of the same rows into
 the buffers (each row's sampled token, at the next position), so that a batch whose rows do not
 change decodes step after step with no host work in between: the engine launches the next step
@@ -21,10 +21,10 @@ from typing import Callable, Sequence
 
 import torch
 
-# step(ints [5,B], floats [2,B], mode) -> (tokens [B], logprobs [B]), all on the device
+# step(ints [7,B], floats [2,B], mode) -> (tokens [B], logprobs [B]), all on the device
 StepFn = Callable[[torch.Tensor, torch.Tensor, str], tuple[torch.Tensor, torch.Tensor]]
-INT_ROWS, FLOAT_ROWS = 5, 2
-TOKENS, POSITIONS, SLOTS = 0, 1, 2  # rows of ``ints``
+INT_ROWS, FLOAT_ROWS = 7, 2
+TOKENS, POSITIONS, SLOTS, PROMPT_GROUPS = 0, 1, 2, 5  # rows of ``ints``
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -37,9 +37,10 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 def dummy_rows(scratch_slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` padding rows: token 0 at position 0 of the scratch slot, greedy."""
+    """``n`` padding rows: token 0 at position 0 of the scratch slot, greedy, sharing no prompt."""
     ints = torch.zeros(INT_ROWS, n, dtype=torch.int64)
     ints[SLOTS] = scratch_slot
+    ints[PROMPT_GROUPS] = -1
     floats = torch.zeros(FLOAT_ROWS, n, dtype=torch.float32)
     floats[1] = 1.0
     return ints, floats
@@ -75,7 +76,7 @@ class DecodeRunner:
         return next(n for n in self.buckets if n >= batch) if self.pad else batch
 
     def load(self, ints: torch.Tensor, floats: torch.Tensor) -> None:
-        """Rows from the host: ints [5,B], floats [2,B]."""
+        """Rows from the host: ints [7,B], floats [2,B]."""
         batch = ints.shape[1]
         self.ints[:, :batch].copy_(ints)
         self.floats[:, :batch].copy_(floats)

@@ -29,6 +29,7 @@ into views of the same cache memory (adaptive tensor parallelism).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,12 +40,16 @@ import torch
 from shardflow.config import BLAS_LIBRARIES, COMPILE_MODES
 from shardflow.engine.compile_fallback import compiled_or_eager
 from shardflow.engine.cuda_graphs import DecodeRunner
-from shardflow.engine.decode_attention import ATTENTION
+from shardflow.engine.decode_attention import ATTENTION, PROMPT_ROWS
 from shardflow.engine.kv_cache import KVCache, bytes_per_slot
 from shardflow.engine.requests import Request
 from shardflow.engine.sampling import SamplingTensors, batch_mode, sample
 from shardflow.engine.steps import decode_logits, prefill_logits
 from shardflow.models.transformer import Transformer
+
+
+# Prompt-group numbers, unique within the process (requests move between its engines).
+_PROMPT_GROUPS = itertools.count()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +70,10 @@ class EngineConfig:
     # H200 1-3% faster steps (see BENCHMARKS.md), for a copy of o, down and the LM head (memory the
     # KV cache then lacks). On CPU only this option makes decode copies at all (to test the path).
     transposed_weights: bool = False
+    # Decode attention reads the prompt of a prefill's samples once for all of them (GRPO groups):
+    # fewer KV bytes by the prompt's share of each context (Triton attention only; see
+    # ``decode_attention``).
+    share_prompt_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ("auto", *ATTENTION):
@@ -223,10 +232,12 @@ class Engine:
     # ----- one decode step (what a CUDA graph captures) -------------------------------------------
 
     def _step(self, ints: torch.Tensor, floats: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """ints [5,B] (tokens, positions, slots, top_k, seeds), floats [2,B] (temperature, top_p)."""
-        tokens, positions, slots, top_k, seeds = ints.unbind(0)
+        """ints [7,B] (tokens, positions, slots, top_k, seeds, prompt groups, shared prompt lengths),
+        floats [2,B] (temperature, top_p)."""
+        tokens, positions, slots, top_k, seeds, groups, prompt = ints.unbind(0)
         temperature, top_p = floats.unbind(0)
-        logits = decode_logits(self.model, self.cache, self.attention, tokens, positions, slots)
+        prompts = (groups, prompt) if self.config.share_prompt_kv else None
+        logits = decode_logits(self.model, self.cache, self.attention, tokens, positions, slots, prompts)
         st = SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds, position=positions + 1)
         return sample(logits, st, vocab_start=self.model.shard.vocab_start, vocab_size=self.model.cfg.vocab_size,
                       group=self.model.tp_group, mode=mode)
@@ -303,7 +314,7 @@ class Engine:
         requests = self.active + [r for unit in self.waiting for r in unit]
         for r in self.active:
             self.cache.release(r.slot)
-            r.slot, r.cached_len = None, 0
+            r.drop_kv()
         self.active, self.waiting = [], deque()
         return requests
 
@@ -328,6 +339,8 @@ class Engine:
         if self._launched is not None:
             raise RuntimeError("cannot adopt requests with a decode step in flight; flush first")
         self.cache.reserve([r.slot for r in requests])
+        for r in requests:  # their prompt groups were numbered by other engines, maybe other processes
+            r.prompt_group, r.shared_prompt = -1, 0
         self.active += list(requests)
 
     def warm_graphs(self, batch: int, modes: Sequence[str]) -> int:
@@ -381,8 +394,12 @@ class Engine:
         for i, (unit, seq) in enumerate(zip(units, seqs)):
             if len(unit) > 1:
                 self.cache.copy_prefix(unit[0].slot, [r.slot for r in unit[1:]], len(seq))
-            for r in unit:
+            # prompt groups of at most PROMPT_ROWS adjacent rows, as the attention kernel asks
+            groups = [next(_PROMPT_GROUPS) for _ in range(-(-len(unit) // PROMPT_ROWS))] if len(unit) > 1 else []
+            for j, r in enumerate(unit):
                 r.cached_len = len(seq)
+                if groups:
+                    r.prompt_group, r.shared_prompt = groups[j // PROMPT_ROWS], len(seq)
                 if not r.output_ids:
                     fresh.append(r)
                     rows.append(i)
@@ -464,7 +481,7 @@ class Engine:
                 still.append(r)
                 continue
             self.cache.release(r.slot)
-            r.slot, r.cached_len = None, 0
+            r.drop_kv()
             if on_finish is not None:
                 on_finish(r)
         self.active = still
@@ -476,9 +493,10 @@ def _prefill_ids(r: Request) -> list[int]:
 
 
 def _step_inputs(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host tensors ints [5,B] (tokens left 0, positions, slots, top_k, seeds), floats [2,B]."""
-    ints = torch.tensor([[0, r.cached_len, r.slot, r.params.top_k, r.seed] for r in requests],
-                        dtype=torch.int64).T.contiguous()
+    """Host tensors ints [7,B] (tokens left 0, positions, slots, top_k, seeds, prompt groups and
+    their shared prompt lengths), floats [2,B]."""
+    ints = torch.tensor([[0, r.cached_len, r.slot, r.params.top_k, r.seed, r.prompt_group, r.shared_prompt]
+                         for r in requests], dtype=torch.int64).T.contiguous()
     floats = torch.tensor([[r.params.temperature, r.params.top_p] for r in requests],
                           dtype=torch.float32).T.contiguous()
     return ints, floats

@@ -59,6 +59,16 @@ class Request:
     finish_reason: str | None = None  # STOP, LENGTH or CONTEXT once done
     slot: int | None = None  # KV cache slot while admitted to an engine
     cached_len: int = 0  # positions of the sequence whose K/V are in the slot
+    # The slot's first ``shared_prompt`` positions are the same copy of the prompt that every
+    # request of ``prompt_group`` holds (samples prefilled together); -1 and 0: none. Decode
+    # attention may then read the prompt from one of them (``EngineConfig.share_prompt_kv``).
+    prompt_group: int = -1
+    shared_prompt: int = 0
+
+    def drop_kv(self) -> None:
+        """The request no longer holds KV anywhere (its slot was freed or is being recomputed)."""
+        self.slot, self.cached_len = None, 0
+        self.prompt_group, self.shared_prompt = -1, 0
 
     @property
     def done(self) -> bool:

@@ -19,7 +19,7 @@ import torch
 from shardflow.engine.kv_cache import KVCache
 from shardflow.models.transformer import Transformer, causal_attention
 
-# attention(q [B,H,d], k_cache, v_cache, slots [B], lengths [B], window) -> [B,H,d]
+# attention(q [B,H,d], k_cache, v_cache, slots [B], lengths [B], window, prompts) -> [B,H,d]
 DecodeAttention = Callable[..., torch.Tensor]
 
 
@@ -40,8 +40,10 @@ def prefill_logits(model: Transformer, cache: KVCache, ids: torch.Tensor, length
 
 
 def decode_logits(model: Transformer, cache: KVCache, attention: DecodeAttention, tokens: torch.Tensor,
-                  positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """tokens, positions, slots [B] -> logits [B, V_local] of the next token.
+                  positions: torch.Tensor, slots: torch.Tensor,
+                  prompts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """tokens, positions, slots [B] -> logits [B, V_local] of the next token. ``prompts``: the
+    rows' shared-prompt groups and prompt lengths (see ``decode_attention``), or None.
 
     Has no host synchronisation and no data-dependent shapes, so it can be captured in a CUDA graph.
     """
@@ -51,7 +53,7 @@ def decode_logits(model: Transformer, cache: KVCache, attention: DecodeAttention
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [B,H,1,d], k/v [B,K,1,d]
         cache.write(layer, slots, positions[:, None], k, v)
-        out = attention(q[:, :, 0], cache.k[layer], cache.v[layer], slots, lengths, windows[layer])
+        out = attention(q[:, :, 0], cache.k[layer], cache.v[layer], slots, lengths, windows[layer], prompts)
         return out[:, :, None]
 
     hidden = model(tokens[:, None], positions[:, None], attend)  # [B,1,H]

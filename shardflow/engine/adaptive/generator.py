@@ -359,7 +359,7 @@ class AdaptiveGenerator:
             new.submit(queued)
         else:
             for r in merged:
-                r.slot, r.cached_len = None, 0
+                r.drop_kv()
             new.submit(merged + queued)
             new.prefill_waiting(finished)
         if cuda:
