@@ -300,6 +300,9 @@ def main() -> None:
                         help="the BLAS library of the engine's decode products (default: torch's)")
     parser.add_argument("--transposed-weights", action="store_true",
                         help="the engine's decode products read their weights stored transposed ([in, out])")
+    parser.add_argument("--share-prompt-kv", action="store_true",
+                        help="the engine's decode attention reads a prompt once for the samples prefilled together "
+                             "(the parity check's groups of samples; the engine cases have one sample per prompt)")
     parser.add_argument("--skip-transformers", action="store_true", help="do not measure transformers generate")
     parser.add_argument("--skip-parity", action="store_true", help="do not check the fast path against the plain one")
     args = parser.parse_args()
@@ -319,9 +322,9 @@ def main() -> None:
     report: dict = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                         torch=torch.__version__, dtype=str(dtype), shape=shape, compile=compile_,
                         compile_mode=args.compile_mode, blas_library=args.blas_library,
-                        transposed_weights=args.transposed_weights, steps=steps)
+                        transposed_weights=args.transposed_weights, share_prompt_kv=args.share_prompt_kv, steps=steps)
     options = dict(compile_mode=args.compile_mode, blas_library=args.blas_library,
-                   transposed_weights=args.transposed_weights)
+                   transposed_weights=args.transposed_weights, share_prompt_kv=args.share_prompt_kv)
     if args.compile_mode != "default":
         torch._dynamo.config.automatic_dynamic_shapes = False
     if args.coordinate_descent:

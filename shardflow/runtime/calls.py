@@ -296,4 +296,5 @@ def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int, de
         compile_mode=gen.compile_mode,
         blas_library=(gen.blas_library or None) if device.type == "cuda" else None,
         transposed_weights=gen.transposed_weights and device.type == "cuda",
+        share_prompt_kv=gen.share_prompt_kv,
     )
