@@ -223,8 +223,9 @@ if triton is not None:
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                            lengths: torch.Tensor, window: int | None, prompts: tuple[torch.Tensor, torch.Tensor] | None = None,
-                            *, block: int = BLOCK_N, programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
+                            lengths: torch.Tensor, window: int | None,
+                            prompts: tuple[torch.Tensor, torch.Tensor] | None = None, *, block: int = BLOCK_N,
+                            programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
                             num_stages: int = NUM_STAGES, splits: int | None = None) -> torch.Tensor:
     """Same contract as ``decode_attention_torch``; GPU (or ``TRITON_INTERPRET=1`` on CPU).
 
