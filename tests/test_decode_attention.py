@@ -153,3 +153,31 @@ def test_torch_path_masks_past_the_length_and_outside_the_window():
             v = vc[slots[b], :, lo: lengths[b]].repeat_interleave(2, 0)
             w = torch.softmax((q[b, :, None] @ k.transpose(1, 2)) / 8 ** 0.5, -1)  # [H, 1, n]
             torch.testing.assert_close(got[b], (w @ v)[:, 0], atol=1e-6, rtol=0)
+
+
+def test_kernels_compile_for_hopper():
+    """The interpreter runs the kernels' Python, not their compilation: compile each variant the
+    engine launches for sm_90 (Triton's own ptxas, no GPU needed), prompt sharing on and off."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from shardflow.engine import decode_attention as da
+
+    pointers = {"Q": "bf16", "K": "bf16", "V": "bf16", "Out": "bf16", "Slots": "i64", "Lengths": "i64",
+                "Groups": "i64", "Prompt": "i64"}
+
+    def compile_for_hopper(fn, constants: dict) -> None:
+        types = {n: "constexpr" if n in constants else f"*{pointers.get(n, 'fp32')}" if n[0].isupper()
+                 else "fp32" if n == "scale_log2" else "i32" for n in fn.arg_names}
+        source = ASTSource(fn=fn, signature=types,
+                           constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": da.NUM_WARPS,
+                                                                          "num_stages": da.NUM_STAGES})
+
+    knobs = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK=da.BLOCK_N, PRECISION="tf32", UPCAST=False)
+    for group in (2, 4):  # Qwen3-1.7B's and LLaMA-3.1-8B's query heads per KV head
+        for splits, shared in ((1, False), (3, False), (1, True), (3, True)):
+            compile_for_hopper(da._split_kernel, dict(knobs, GROUP=group, SPLITS=splits, BLOCK_H=16, SHARED=shared))
+        compile_for_hopper(da._prompt_kernel, dict(knobs, GROUP=group, ROWS=da.PROMPT_ROWS,
+                                                   BLOCK_Q=max(16, da.PROMPT_ROWS * group)))
