@@ -300,7 +300,7 @@ def main() -> None:
                         help="the BLAS library of the engine's decode products (default: torch's)")
     parser.add_argument("--transposed-weights", action="store_true",
                         help="the engine's decode products read their weights stored transposed ([in, out])")
-    parser.add_argument("--share-prompt-kv", action="store_true",
+    parser.add_argument("--share-prompt-kv", action=argparse.BooleanOptionalAction, default=True,
                         help="the engine's decode attention reads a prompt once for the samples prefilled together "
                              "(the parity check's groups of samples; the engine cases have one sample per prompt)")
     parser.add_argument("--skip-transformers", action="store_true", help="do not measure transformers generate")

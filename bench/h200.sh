@@ -22,8 +22,8 @@
 #                         with prompts shared (the default), then padded
 #   bench/h200.sh OUT k   shared prompts (parity, attention, the training call) on the GRPO shape; one
 #                         GRPO iteration against TRL
-#   bench/h200.sh OUT l   decode attention reading a prompt once for its samples: the kernel alone, the
-#                         fast path's parity with it, the GRPO iteration (no TRL) with it, then without
+#   bench/h200.sh OUT l   decode attention reading a prompt once for its samples (the default): the
+#                         kernel alone; one GRPO iteration against TRL; the iteration (no TRL) without it
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
@@ -123,12 +123,9 @@ case $PART in
     run iteration 400 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 3 --skip-planner
     ;;
   l)
-    run prompt_kv 90 prompt_kv_attention.json python3 bench/prompt_kv_attention.py
-    run parity_shared_kv 150 generation.json python3 bench/generation.py --batches 1 --contexts 1024 --steps 8 \
-      --skip-transformers --share-prompt-kv
-    mv "$OUT/generation.json" "$OUT/parity_shared_kv.json" 2>/dev/null
-    iteration shared_kv --set generation.share_prompt_kv=true
-    iteration default
+    run prompt_kv 60 prompt_kv_attention.json python3 bench/prompt_kv_attention.py
+    run iteration 330 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 3 --skip-planner
+    iteration own_kv --set generation.share_prompt_kv=false
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40

@@ -58,8 +58,10 @@ def check_shared_prompts() -> None:
     g = torch.Generator().manual_seed(2)
     H, K, d = 4, 2, 16
     # group ids and prompt lengths per row: (0: 1 row, prompt 5), (1: 3 rows, 40), (-1: no prompt),
-    # (2: PROMPT_ROWS rows, 64), (3: 2 rows, 64, next to group 2), two padding rows
-    spec = [(0, 5)] + [(1, 40)] * 3 + [(-1, 0)] + [(2, 64)] * PROMPT_ROWS + [(3, 64)] * 2 + [(-1, 0)] * 2
+    # (2: PROMPT_ROWS rows, 64), (3: 2 rows, 64, next to group 2), two padding rows. Groups 2 and 3
+    # start on the last row of a kernel window (of PROMPT_ROWS rows) and run into the next.
+    spec = ([(0, 5)] + [(1, 40)] * 3 + [(-1, 0)] * (PROMPT_ROWS - 5) + [(2, 64)] * PROMPT_ROWS + [(3, 64)] * 2
+            + [(-1, 0)] * 2)
     groups = torch.tensor([gid for gid, _ in spec])
     prompt = torch.tensor([p for _, p in spec])
     rows = len(spec)

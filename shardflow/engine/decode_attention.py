@@ -111,38 +111,42 @@ if triton is not None:
                        stride_sb, stride_sh, stride_mb, scale_log2,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_Q: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-        """Program (row b, KV head): if b leads a run of rows of one group (see
-        ``decode_attention_triton``), the online-softmax state of the run's rows x GROUP query heads
-        over the group's shared prompt positions, read once from b's slot."""
-        b = tl.program_id(0)
+        """Program (window of ROWS rows, KV head): for each row b of the window that leads a run of
+        rows of one group (see ``decode_attention_triton``), the online-softmax state of the run's
+        rows x GROUP query heads over the group's shared prompt positions, read once from b's slot.
+        A program per window rather than per row: most rows lead nothing, and empty programs are
+        not free (one per row cost ~7 us per call on the GRPO shape, an H200)."""
+        w = tl.program_id(0)
         kvh = tl.program_id(1)
-        group = tl.load(Groups + b)
-        prompt = tl.load(Prompt + b).to(tl.int32)
-        before = tl.load(Groups + tl.maximum(b - 1, 0))
-        leads = tl.where((prompt > 0) & ((b == 0) | (before != group)), 1, 0)
         offs_q = tl.arange(0, BLOCK_Q)
         offs_d = tl.arange(0, BLOCK_D)
-        rows = b + offs_q // GROUP
         mask_d = offs_d < HEAD_DIM
-        in_run = (offs_q < ROWS * GROUP) & (rows < batch) & (offs_q * 0 + leads > 0)
-        in_run = in_run & (tl.load(Groups + rows, mask=in_run, other=-1) == group)
         heads = kvh * GROUP + offs_q % GROUP
-        q = tl.load(Q + rows[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=in_run[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_Q, BLOCK_D]
-        if UPCAST:
-            q = q.to(tl.float32)
-        slot = tl.load(Slots + b).to(tl.int64)
-        k_base = K + slot * stride_ks + kvh * stride_kh
-        v_base = V + slot * stride_vs + kvh * stride_vh
-        m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_Q], tl.float32)
-        acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-        m_i, l_i, acc = attend_positions(q, k_base, v_base, stride_kt, stride_vt, 0, prompt * leads,
-                                         m_i, l_i, acc, scale_log2, HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST)
-        tl.store(Acc + rows[:, None] * stride_sb + heads[:, None] * stride_sh + offs_d[None, :], acc,
-                 mask=in_run[:, None] & mask_d[None, :])
-        tl.store(Max + rows * stride_mb + heads, m_i, mask=in_run)
-        tl.store(Sum + rows * stride_mb + heads, l_i, mask=in_run)
+        for i in range(ROWS):
+            b = tl.minimum(w * ROWS + i, batch - 1)  # past the batch: the last row again, which leads nothing
+            group = tl.load(Groups + b)
+            prompt = tl.load(Prompt + b).to(tl.int32)
+            before = tl.load(Groups + tl.maximum(b - 1, 0))
+            if (prompt > 0) & ((b == 0) | (before != group)) & (w * ROWS + i < batch):
+                rows = b + offs_q // GROUP
+                in_run = (offs_q < ROWS * GROUP) & (rows < batch)
+                in_run = in_run & (tl.load(Groups + rows, mask=in_run, other=-1) == group)
+                q = tl.load(Q + rows[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                            mask=in_run[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_Q, BLOCK_D]
+                if UPCAST:
+                    q = q.to(tl.float32)
+                slot = tl.load(Slots + b).to(tl.int64)
+                k_base = K + slot * stride_ks + kvh * stride_kh
+                v_base = V + slot * stride_vs + kvh * stride_vh
+                m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+                l_i = tl.zeros([BLOCK_Q], tl.float32)
+                acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+                m_i, l_i, acc = attend_positions(q, k_base, v_base, stride_kt, stride_vt, 0, prompt, m_i, l_i, acc,
+                                                 scale_log2, HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST)
+                tl.store(Acc + rows[:, None] * stride_sb + heads[:, None] * stride_sh + offs_d[None, :], acc,
+                         mask=in_run[:, None] & mask_d[None, :])
+                tl.store(Max + rows * stride_mb + heads, m_i, mask=in_run)
+                tl.store(Sum + rows * stride_mb + heads, l_i, mask=in_run)
 
     @triton.jit
     def _split_kernel(Q, K, V, Slots, Lengths, Acc, Max, Sum, Out, Prompt, PromptAcc, PromptMax, PromptSum,
@@ -263,7 +267,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     prompt_max = torch.empty(B, H, dtype=torch.float32, device=q.device) if shared else row_max
     prompt_sum = torch.empty_like(prompt_max) if shared else row_sum
     if shared:
-        _prompt_kernel[(B, K)](
+        _prompt_kernel[(triton.cdiv(B, PROMPT_ROWS), K)](
             q, k_cache, v_cache, slots, groups, prompt, prompt_acc, prompt_max, prompt_sum, B, *strides_qkv,
             prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0), scale_log2,
             GROUP=group, HEAD_DIM=d, ROWS=PROMPT_ROWS, BLOCK_Q=max(16, triton.next_power_of_2(PROMPT_ROWS * group)),

@@ -73,7 +73,7 @@ class EngineConfig:
     # Decode attention reads the prompt of a prefill's samples once for all of them (GRPO groups):
     # fewer KV bytes by the prompt's share of each context (Triton attention only; see
     # ``decode_attention``).
-    share_prompt_kv: bool = False
+    share_prompt_kv: bool = True
 
     def __post_init__(self) -> None:
         if self.attention not in ("auto", *ATTENTION):
