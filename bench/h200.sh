@@ -125,6 +125,7 @@ case $PART in
   l)
     run prompt_kv 60 prompt_kv_attention.json python3 bench/prompt_kv_attention.py
     run iteration 330 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 3 --skip-planner
+    mv "$OUT/iteration.json" "$OUT/iteration_trl.json" 2>/dev/null  # the next run writes iteration.json too
     iteration own_kv --set generation.share_prompt_kv=false
     ;;
 esac
