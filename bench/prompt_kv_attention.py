@@ -1,7 +1,9 @@
 """Decode attention that reads a GRPO group's prompt KV once, against reading every row's copy: the
-engine's kernel with and without ``prompts`` on the GRPO iteration's shape, alone, per CUDA-graph replay.
+engine's kernel with and without ``prompts``, alone, per CUDA-graph replay, on the GRPO iteration's
+shape or another.
 
     python bench/prompt_kv_attention.py --out runs/bench-prompt-kv            # GPU: Qwen3-1.7B shape
+    python bench/prompt_kv_attention.py --out DIR --prompts 16 --prompt-tokens 1024 --contexts 1056,1280,1536
     TRITON_INTERPRET=1 python bench/prompt_kv_attention.py --out DIR --tiny   # CPU: checks it runs
 
 The samples of a prompt hold identical copies of the prompt's keys and values (one prefill, copied
@@ -71,16 +73,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--contexts", default="96,192,320,448,575")
+    parser.add_argument("--contexts", default="96,192,320,448,575", help="positions per row, each a case")
+    parser.add_argument("--prompts", type=int, default=32, help="prompts (groups of rows)")
+    parser.add_argument("--samples", type=int, default=8, help=f"rows per prompt, at most {PROMPT_ROWS}")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="positions every row of a prompt shares")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.tiny:  # 2 prompts x 4 samples, 2 KV heads of 16, prompts of 8 positions
         shape = dict(prompts_n=2, samples=4, heads=4, kv_heads=2, d=16, prompt=8, max_len=40)
         contexts = [12, 39]
-    else:  # the GRPO iteration's: 32 prompts x 8 samples, Qwen3-1.7B's heads, 64-token prompts
-        shape = dict(prompts_n=32, samples=8, heads=16, kv_heads=8, d=128, prompt=64, max_len=576)
+    else:  # Qwen3-1.7B's heads; by default the GRPO iteration's 32 prompts x 8 samples, 64-token prompts
         contexts = [int(c) for c in args.contexts.split(",")]
+        if min(contexts) <= args.prompt_tokens:
+            raise ValueError(f"--contexts {args.contexts}: every context must exceed --prompt-tokens "
+                             f"{args.prompt_tokens} (a row decodes past its prompt)")
+        shape = dict(prompts_n=args.prompts, samples=args.samples, heads=16, kv_heads=8, d=128,
+                     prompt=args.prompt_tokens, max_len=max(576, max(contexts) + 1))
     rows = measure(device, dtype, **shape, contexts=contexts)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "dtype": str(dtype), "shape": shape, "rows": rows}
