@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -115,6 +116,28 @@ def test_shared_prompts_run_a_groups_prompt_once():
         tokens = 32 * w.model_tokens
         assert costs[w].inference(cfg, layout, 1) == pytest.approx(
             cfg.num_layers * 1e-6 * tokens + 5e-7 * 32 * 200)
+
+
+def test_prompt_kv_sharing_reads_a_groups_prompt_once():
+    """Every response N tokens, so every row stays to the end: with ``share_prompt_kv`` a row's
+    attention reads an eighth of the prompt (groups of 8 samples) or 2/11 of it (11 samples: groups
+    of 8 and 3), instead of all of it; under a sliding window it reads all of it."""
+    cfg, P, N = llama(), 100, 41
+    windowed = dataclasses.replace(cfg, sliding_windows=(64,) * cfg.num_layers)
+    layout = Layout((0,))
+    for samples, read in ((8, P / 8), (11, 2 * P / 11)):
+        kw = dict(prompts=4, samples_per_prompt=samples, prompt_tokens=P, max_new_tokens=N, response_mean=N)
+        m = 4 * samples
+        own, shared = (CostModel(LinearOps(Cluster.for_devices(1)), Workload(**kw, share_prompt_kv=s))
+                       for s in (False, True))
+        saved = (N - 1) * cfg.num_layers * 1e-7 * m * (P - read)  # LinearOps: 1e-7 s per row x position
+        assert own.generate(cfg, layout, m) - shared.generate(cfg, layout, m) == pytest.approx(saved)
+        assert shared.generate(windowed, layout, m) == pytest.approx(own.generate(windowed, layout, m))
+    # rows leaving: with 1 of 8 rows live, a group of 8 still reads its prompt unless all 8 left,
+    # with probability (7/8)^8, so a live row reads P (1 - (7/8)^8) / 1 of the prompt's positions
+    kw = dict(prompts=4, samples_per_prompt=8, prompt_tokens=P, max_new_tokens=N, response_mean=N)
+    shared = CostModel(LinearOps(Cluster.for_devices(1)), Workload(**kw, share_prompt_kv=True))
+    assert shared._read_context(cfg, 150.0, 4, 32) == pytest.approx(150 - P * (7 / 8) ** 8)
 
 
 def test_tensor_parallel_adds_two_all_reduces_per_layer():

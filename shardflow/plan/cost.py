@@ -4,7 +4,8 @@
   prefill), then decodes; the active batch shrinks as requests finish (expected order statistics
   of the response lengths), and when the KV cache holds fewer slots than requests, the rest wait
   and are admitted as slots free up. A decode step costs every layer's step, the head, and two
-  tp all-reduces per layer.
+  tp all-reduces per layer. With ``share_prompt_kv`` a layer's step is charged at the positions
+  its attention reads per row (a prompt once per group of its samples, see ``_read_context``).
 - Inference: forward of the replica's tokens in ``k`` micro-batches through ``pp`` stages:
   ``(k + pp - 1)`` times the slowest stage (pipeline fill and drain), each stage paying its layers,
   two tp all-reduces per layer and a point-to-point send of activations.
@@ -19,6 +20,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
+from shardflow.engine.decode_attention import PROMPT_ROWS
 from shardflow.models.config import ModelConfig
 from shardflow.parallel.layout import Layout
 from shardflow.plan.hardware import Cluster
@@ -111,6 +113,21 @@ class CostModel:
             self._cache[key] = self._generate(cfg, layout, m, slots)
         return self._cache[key]
 
+    def _read_context(self, cfg: ModelConfig, context: float, batch: int, slots: int) -> float:
+        """KV positions decode attention reads per row at a mean ``context``. With
+        ``share_prompt_kv`` (the engine's decode attention, ``engine.decode_attention``) a prompt's
+        samples form groups of at most PROMPT_ROWS rows, and each group reads the prompt once while
+        any of its rows is live; rows are taken to leave independently, a fraction batch / slots
+        still live. Decode attention is bandwidth-bound, so its cost follows the positions read.
+        The engine shares nothing under a sliding window; a model with one anywhere is charged as
+        sharing nothing."""
+        w = self.workload
+        if not (w.share_prompt_kv and w.samples_per_prompt > 1) or any(cfg.sliding_windows):
+            return context
+        rows = w.samples_per_prompt / math.ceil(w.samples_per_prompt / PROMPT_ROWS)  # rows per group
+        live_groups = slots / rows * (1 - (1 - batch / slots) ** rows)
+        return context - w.prompt_tokens * (1 - live_groups / batch)
+
     def _generate(self, cfg: ModelConfig, layout: Layout, m: int, slots: int) -> float:
         lengths = self.workload.response_lengths(m)
         queue = [lengths[i] for i in _arrival_order(m)]
@@ -129,7 +146,8 @@ class CostModel:
                 nxt += 1
             end, batch = active[0][0], len(active)
             if end > step:
-                runs.append((end - step, batch, prompt + (step + end) / 2 - admit_sum / batch))
+                context = prompt + (step + end) / 2 - admit_sum / batch
+                runs.append((end - step, batch, self._read_context(cfg, context, batch, slots)))
             step = end
             while active and active[0][0] <= step:
                 admit_sum -= heapq.heappop(active)[1]

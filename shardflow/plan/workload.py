@@ -28,6 +28,7 @@ class Workload:
     train_steps: int = 1  # optimizer steps per train call (epochs x mini-batches)
     micro_batch_tokens: int = 8192  # the runtime's default token budget per micro-batch
     share_prompts: bool = False  # inference and training run a prompt once for all its samples
+    share_prompt_kv: bool = False  # decode attention reads a prompt's KV once for its samples
 
     def __post_init__(self) -> None:
         for name in ("prompts", "samples_per_prompt", "prompt_tokens", "max_new_tokens", "train_steps",
@@ -136,4 +137,5 @@ def workload_from_config(config: ExperimentConfig, *, prompt_tokens: int | None 
         train_steps=algo.epochs * algo.mini_batches,
         micro_batch_tokens=algo.micro_batch_tokens,
         share_prompts=algo.share_prompts,
+        share_prompt_kv=gen.share_prompt_kv,
     )
