@@ -123,24 +123,31 @@ def linear_sweep(device, cfg, dtype) -> list[dict]:
 
 
 def kernel_profile(model, device, batch: int, context: int, compile: bool, temperature: float,
-                   samples: int = 1, prompt: int | None = None) -> list[dict]:
+                   samples: int = 1, prompt: int | None = None) -> dict:
     """Top kernels of 10 decode steps at ``batch`` rows and ``context`` positions: ``batch /
     samples`` prompts of ``prompt`` tokens (default ``context``) with ``samples`` samples each
-    (one prefill per prompt, as GRPO groups have), decoded up to ``context`` before profiling."""
+    (one prefill per prompt, as GRPO groups have), decoded up to ``context`` before profiling.
+    Also the device time per step (all kernels), and the wall time per step of the same steps
+    replayed as CUDA graphs (what the engine runs): their difference is launch gaps and host time."""
     from torch.profiler import ProfilerActivity, profile
 
     prompt = prompt or context
     if batch % samples or not 0 < prompt <= context:
         raise ValueError(f"batch {batch} must be a multiple of samples {samples}, prompt {prompt} in [1, {context}]")
     warm = 8 + context - prompt  # prefill, then decode (and compile) up to the context
-    engine = Engine(model, EngineConfig(max_seq_len=context + 64, max_batch_size=batch, cuda_graphs=False,
-                                        compile=compile), eos_token_ids=[])
     params = SamplingParams(max_new_tokens=warm + 20, temperature=temperature, seed=0, ignore_eos=True)
     prompts = [[5 + (i % 90)] * prompt for i in range(batch // samples)]
-    engine.submit(make_requests(prompts, params, samples_per_prompt=samples))
-    for _ in range(warm):
-        engine.step()
-    torch.cuda.synchronize(device)
+
+    def engine_at_context(graphs: bool) -> Engine:
+        engine = Engine(model, EngineConfig(max_seq_len=context + 64, max_batch_size=batch, cuda_graphs=graphs,
+                                            compile=compile), eos_token_ids=[])
+        engine.submit(make_requests(prompts, params, samples_per_prompt=samples))
+        for _ in range(warm):
+            engine.step()
+        torch.cuda.synchronize(device)
+        return engine
+
+    engine = engine_at_context(graphs=False)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             engine.step()
@@ -150,8 +157,19 @@ def kernel_profile(model, device, batch: int, context: int, compile: bool, tempe
     total = sum(e.device_time_total for e in events)
     engine.evict()
     engine.release_cache()
-    return [dict(name=e.key[:120], calls=e.count, us_per_step=e.device_time_total / 10, share=e.device_time_total / total)
-            for e in events[:40]]
+    graph_us = None
+    if compile:  # the engine's path: compiled and replayed as graphs
+        engine = engine_at_context(graphs=True)
+        engine.stats.decode_steps.clear()
+        for _ in range(10):
+            engine.step()
+        engine.flush()
+        graph_us = sorted(s for _, s in engine.stats.decode_steps)[len(engine.stats.decode_steps) // 2] * 1e6
+        engine.evict()
+        engine.release_cache()
+    kernels = [dict(name=e.key[:120], calls=e.count, us_per_step=e.device_time_total / 10,
+                    share=e.device_time_total / total) for e in events[:40]]
+    return dict(kernels=kernels, device_us_per_step=total / 10, graph_us_per_step=graph_us)
 
 
 def sampler_times(device, cfg) -> list[dict]:
@@ -190,6 +208,8 @@ def main() -> None:
                         help="batch x context cases of the sweep, comma-separated")
     parser.add_argument("--sweep-only", action="store_true",
                         help="only the sweeps (attention and projections): no sampler, no profile")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="only the kernel profile: no projection sweep, no sampler")
     parser.add_argument("--model", choices=("llama-3.1-8b", "qwen3-1.7b"), default="llama-3.1-8b")
     parser.add_argument("--profile-cases", default="1x1024,64x1024",
                         help="batch x context cases of the kernel profile, comma-separated")
@@ -214,8 +234,8 @@ def main() -> None:
         cases = [tuple(int(x) for x in case.split("x")) for case in args.sweep_cases.split(",")]
         result["attention"] = attention_sweep(device, cfg, cases, dtype) if args.sweep or args.sweep_only else []
         (out / "decode_profile.json").write_text(json.dumps(result, indent=2))
-        result["linear"] = linear_sweep(device, cfg, dtype)
-        result["sampler"] = [] if args.sweep_only else sampler_times(device, cfg)
+        result["linear"] = [] if args.profile_only else linear_sweep(device, cfg, dtype)
+        result["sampler"] = [] if args.sweep_only or args.profile_only else sampler_times(device, cfg)
         model = None if args.sweep_only else random_model(cfg, device, dtype)
         result["profile"] = {}
         profile_cases = [tuple(int(x) for x in case.split("x")) for case in args.profile_cases.split(",")]
@@ -226,7 +246,7 @@ def main() -> None:
                 result["profile"][key] = kernel_profile(model, device, b, c, comp, args.temperature,
                                                             args.samples_per_prompt, args.prompt_tokens)
             except Exception as e:  # noqa: BLE001 - keep the other measurements
-                result["profile"][key] = [dict(name=f"failed: {e}"[:300], calls=10, us_per_step=0.0, share=0.0)]
+                result["profile"][key] = dict(kernels=[], error=f"{type(e).__name__}: {e}"[:300])
             (out / "decode_profile.json").write_text(json.dumps(result, indent=2))  # kept if cut short
     (out / "decode_profile.json").write_text(json.dumps(result, indent=2))
     if device.type == "cuda":
@@ -251,9 +271,13 @@ def print_summary(result: dict) -> None:
         print(f"sampler b{r['batch']:<3} {r['mode']:>6} {r['us']:8.1f} us ({r['gbps']:5.0f} GB/s of bf16 logits), "
               f"torch ops compiled {r['torch_us']:8.1f} us; same tokens {r['same_tokens']}, "
               f"log-probs within {r['max_logprob_diff']:.1e}")
-    for key, rows in result["profile"].items():
-        print(f"-- {key}: top kernels (us per step)")
-        for r in rows:
+    for key, prof in result["profile"].items():
+        if "error" in prof:
+            print(f"-- {key}: failed: {prof['error']}")
+            continue
+        graph = f", {prof['graph_us_per_step']:.1f} us per step as CUDA graphs" if prof["graph_us_per_step"] else ""
+        print(f"-- {key}: {prof['device_us_per_step']:.1f} us of kernels per step{graph}; top kernels (us per step)")
+        for r in prof["kernels"]:
             print(f"   {r['us_per_step']:8.1f} {100 * r['share']:5.1f}% x{r['calls'] // 10:<4} {r['name']}")
 
 

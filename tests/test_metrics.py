@@ -69,3 +69,32 @@ def test_resumed_logger_drops_what_came_after_the_checkpoint(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["reward/mean"]) for r in lines] == [(1, 1.0), (2, 2.0), (3, 30.0)]
     assert read_scalars(tmp_path / "tensorboard")["reward/mean"] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_iteration_summary_splits_generation_time():
+    """A generate call's time is reported as setup, prefill and decode (the sum and the median
+    step) of its slowest rank, under the call's name."""
+    from shardflow.config import load_config
+    from shardflow.plan.execution_plan import symmetric_plan
+    from shardflow.rl.graphs import build_graph
+    from shardflow.runtime.calls import CallReport
+    from shardflow.runtime.report import merge_reports
+
+    config = load_config(None, base={"models": {"actor": {"path": "x"}}, "data": {"path": "x"}})
+    graph = build_graph(config)
+    gen = next(c for c in graph.model_calls() if c.kind.name == "GENERATE")
+    plan = symmetric_plan(graph, 2)
+
+    def report(setup, prefill, steps):
+        return {gen.name: CallReport(metrics={"generation/tokens": 6.0, "generation/seconds": 1.0,
+                                              "generation/setup_seconds": setup,
+                                              "generation/prefill_seconds": prefill},
+                                     decode_steps=steps, span=(0.0, 1.0))}
+
+    summary = merge_reports([report(0.3, 0.1, [(2, 0.4)]), report(0.1, 0.2, [(2, 0.5), (2, 0.1), (1, 0.2)])],
+                            graph, plan, config)
+    name = gen.name
+    assert summary[f"time/{name}/setup"] == pytest.approx(0.3)
+    assert summary[f"time/{name}/prefill"] == pytest.approx(0.2)
+    assert summary[f"time/{name}/decode"] == pytest.approx(0.8)  # the rank with the most steps
+    assert summary[f"time/{name}/decode_step"] == pytest.approx(0.2)

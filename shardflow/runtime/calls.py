@@ -22,7 +22,7 @@ from shardflow.batch import SequenceBatch
 from shardflow.config import ExperimentConfig
 from shardflow.data.prompts import Prompt
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
-from shardflow.engine.generate import Engine, EngineConfig
+from shardflow.engine.generate import Engine, EngineConfig, GenerationStats
 from shardflow.engine.inference import infer
 from shardflow.engine.replicas import replica_share
 from shardflow.engine.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
@@ -140,16 +140,18 @@ def run_generate(world: World, config: ExperimentConfig, engine: Engine, layout:
     requests = generation_requests(config, prompts, iteration)
     c = layout.coord(world.rank)
     mine = replica_share(requests, layout.dp, c.dp)
-    engine.reset_cache()
     start = time.perf_counter()
-    engine.stats.decode_steps.clear()
-    engine.stats.generated_tokens = 0
+    engine.reset_cache()
+    engine.stats = GenerationStats()
+    setup = time.perf_counter() - start
+    start = time.perf_counter()
     engine.generate(mine)
     seconds = time.perf_counter() - start
     engine.release_cache()
     report.decode_steps = list(engine.stats.decode_steps)
-    report.metrics["generation/tokens"] = float(engine.stats.generated_tokens)
-    report.metrics["generation/seconds"] = seconds
+    report.metrics.update({"generation/tokens": float(engine.stats.generated_tokens), "generation/seconds": seconds,
+                           "generation/setup_seconds": setup,
+                           "generation/prefill_seconds": engine.stats.prefill_seconds})
     return rollouts(mine, prompts) if c.tp == 0 else None
 
 

@@ -7,6 +7,8 @@ and are not logged.
 
 from __future__ import annotations
 
+import statistics
+
 from shardflow.config import ExperimentConfig
 from shardflow.rl.graph import Graph, Kind
 from shardflow.runtime.metrics import rollout_metrics
@@ -39,6 +41,16 @@ def merge_reports(per_rank: list[dict], graph: Graph, plan, config: ExperimentCo
             summary["generation/tokens"] = tokens
             if seconds > 0:
                 summary["generation/tokens_per_s"] = tokens / seconds
+            # where the call's time goes: cache and weight copies, prefill, decode steps
+            for part in ("setup", "prefill"):
+                values = [r.metrics[f"generation/{part}_seconds"] for _, r in reports
+                          if f"generation/{part}_seconds" in r.metrics]
+                if values:
+                    summary[f"time/{call.name}/{part}"] = max(values)
+            steps = max((r.decode_steps for _, r in reports), key=len, default=[])
+            if steps:
+                summary[f"time/{call.name}/decode"] = sum(s for _, s in steps)
+                summary[f"time/{call.name}/decode_step"] = statistics.median(s for _, s in steps)
             for _, r in reports:  # adaptive TP: the layout's first rank reports its switches
                 summary.update({k: v for k, v in r.metrics.items() if k.startswith("adaptive/")})
                 if r.adaptive is not None:
