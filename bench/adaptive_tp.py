@@ -154,7 +154,7 @@ def graph_capture_seconds(engine: Engine, batch: int) -> float:
         return 0.0
     sync(engine.device)
     start = time.perf_counter()
-    engine.decode.capture(engine.decode.bucket(batch), "sample")
+    engine.decode.capture(engine.decode.bucket(batch), ("sample", False))
     sync(engine.device)
     return time.perf_counter() - start
 

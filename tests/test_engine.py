@@ -159,7 +159,35 @@ def test_evicted_requests_continue_in_another_engine(llama):
     assert batch.meta["finish_reason"][3] == "length"
 
 
-def test_kv_cache_budget_slots_and_prefix_copy():
+def test_samples_of_a_prompt_share_its_prefill(llama):
+    """One prefill per prompt writes its keys and values into every sample's slot: greedy samples
+    of different-length prompts, admitted together, each continue as transformers does."""
+    path, model = llama
+    ps = prompts()[:3]
+    engine = Engine(model, EngineConfig(max_seq_len=64), eos_token_ids=())
+    requests = make_requests(ps, SamplingParams(max_new_tokens=6, **GREEDY), samples_per_prompt=3)
+    engine.generate(requests)
+    assert engine.stats.prefill_tokens == sum(len(p) for p in ps)  # once per prompt
+    for r in requests:
+        assert r.output_ids == hf_greedy(path, ps[r.group], 6, eos=None), r.request_id
+
+
+def test_steps_read_shared_prompts_only_when_rows_share_one(llama):
+    """Decode steps pass prompt groups to the attention only while some row belongs to one (a step
+    where none does is specialised without the prompt pass)."""
+    _, model = llama
+    engine = Engine(model, EngineConfig(max_seq_len=48, share_prompt_kv=True), eos_token_ids=())
+    seen = []
+    inner = engine.attention
+    engine.attention = lambda *args: (seen.append(args[6] is not None), inner(*args))[1]
+    engine.generate(make_requests(prompts()[:2], SamplingParams(max_new_tokens=3, **GREEDY)))
+    assert seen and not any(seen)
+    seen.clear()
+    engine.generate(make_requests(prompts()[:2], SamplingParams(max_new_tokens=3, **GREEDY), samples_per_prompt=2))
+    assert seen and all(seen)
+
+
+def test_kv_cache_budget_and_slots():
     from shardflow.models.tiny import tiny_hf_config
 
     cfg = ModelConfig.from_hf_dict(tiny_hf_config("llama").to_dict())
@@ -177,11 +205,6 @@ def test_kv_cache_budget_slots_and_prefix_copy():
     assert cache.allocate(2) == [0, 1]
     cache.release(0)
     assert cache.allocate(3) == [0, 2, 3]
-    for layer in cache.k:
-        cache.k[layer][1].normal_()
-    cache.copy_prefix(1, [0, 3], 10)
-    assert torch.equal(cache.k[2][0, :, :10], cache.k[2][1, :, :10]) and torch.equal(cache.k[2][3], cache.k[2][0])
-    assert cache.k[2][0, :, 10:].abs().sum() == 0
 
 
 def test_refusals(llama, checkpoints):

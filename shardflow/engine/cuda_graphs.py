@@ -11,18 +11,20 @@ buffers on the device; when rows join, the engine ``load``s them from the host.
 With graphs, a batch of B requests runs the graph of the smallest bucket >= B, its extra rows
 filled with a dummy request that lives in the KV cache's scratch slot (position 0, greedy; the
 in-place advance leaves it there), so padding never touches a real request's cache. Graphs are
-captured per (bucket, sampling mode) on first use, in the order batches arrive; every tp rank sees
+captured per (bucket, mode) on first use (the mode is whatever the step is specialised for: its
+sampling mode, whether it reads shared prompts), in the order batches arrive; every tp rank sees
 the same batch sizes in the same order, so the collectives inside the graphs match across ranks.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
 # step(ints [7,B], floats [2,B], mode) -> (tokens [B], logprobs [B]), all on the device
-StepFn = Callable[[torch.Tensor, torch.Tensor, str], tuple[torch.Tensor, torch.Tensor]]
+Mode = Hashable
+StepFn = Callable[[torch.Tensor, torch.Tensor, Mode], tuple[torch.Tensor, torch.Tensor]]
 INT_ROWS, FLOAT_ROWS = 7, 2
 TOKENS, POSITIONS, SLOTS, PROMPT_GROUPS = 0, 1, 2, 5  # rows of ``ints``
 
@@ -67,8 +69,8 @@ class DecodeRunner:
         self._pad_ints, self._pad_floats = pad_ints.to(device), pad_floats.to(device)
         self.ints, self.floats = self._pad_ints.clone(), self._pad_floats.clone()
         self.batch = 0  # rows holding requests
-        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, Mode], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, Mode], tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = None  # one memory pool shared by all graphs (they never run concurrently)
 
     def bucket(self, batch: int) -> int:
@@ -97,7 +99,7 @@ class DecodeRunner:
         self.floats[:, batch:n].copy_(self._pad_floats[:, batch:n])
         self.batch = batch
 
-    def run(self, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, mode: Mode) -> tuple[torch.Tensor, torch.Tensor]:
         """One step over the loaded rows -> (tokens [B], logprobs [B]) on the device; the buffers
         then hold the next step's inputs."""
         batch, n = self.batch, self.bucket(self.batch)
@@ -111,7 +113,7 @@ class DecodeRunner:
         tokens, logprobs = self.outputs[(n, mode)]
         return tokens[:batch], logprobs[:batch]
 
-    def capture(self, n: int, mode: str) -> bool:
+    def capture(self, n: int, mode: Mode) -> bool:
         """Capture the graph of bucket ``n`` and ``mode`` unless it exists (or graphs are off);
         True if it was captured. The loaded rows are kept."""
         if not self.use_graphs or (n, mode) in self.graphs:
@@ -122,7 +124,7 @@ class DecodeRunner:
         self.floats.copy_(live[1])
         return True
 
-    def _capture(self, n: int, mode: str) -> None:
+    def _capture(self, n: int, mode: Mode) -> None:
         # Warm up (and let torch.compile, if used, compile) on dummy rows only: they write the
         # scratch slot, never a real request's cache.
         self.ints[:, :n].copy_(self._pad_ints[:, :n])

@@ -205,8 +205,8 @@ class Engine:
             raise RuntimeError("cannot release the KV cache with a decode step in flight; flush or evict first")
         self.cache = self.decode = None
         self.model.drop_decode_weights()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        # The memory stays with torch's allocator (no empty_cache): the calls that follow in this
+        # process reuse it without new device allocations, and _default_budget counts it as free.
 
     @property
     def _decode_copies(self) -> bool:
@@ -223,6 +223,7 @@ class Engine:
         if self.device.type != "cuda":
             return (config.max_batch_size + 1) * bytes_per_slot(shard, cfg, max_len, self.dtype)
         free, _ = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # cached, unused
         item = torch.empty((), dtype=self.dtype).element_size()
         # Room for prefill activations and for sampling over [batch, vocabulary] in float32.
         prefill = config.max_prefill_tokens * (6 * cfg.hidden_size + 3 * shard.intermediate_size) * item
@@ -231,12 +232,13 @@ class Engine:
 
     # ----- one decode step (what a CUDA graph captures) -------------------------------------------
 
-    def _step(self, ints: torch.Tensor, floats: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, ints: torch.Tensor, floats: torch.Tensor, key: tuple[str, bool]) -> tuple[torch.Tensor, torch.Tensor]:
         """ints [7,B] (tokens, positions, slots, top_k, seeds, prompt groups, shared prompt lengths),
-        floats [2,B] (temperature, top_p)."""
+        floats [2,B] (temperature, top_p); ``key``: see ``_graph_key``."""
+        mode, shares = key
         tokens, positions, slots, top_k, seeds, groups, prompt = ints.unbind(0)
         temperature, top_p = floats.unbind(0)
-        prompts = (groups, prompt) if self.config.share_prompt_kv else None
+        prompts = (groups, prompt) if shares else None
         logits = decode_logits(self.model, self.cache, self.attention, tokens, positions, slots, prompts)
         st = SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds, position=positions + 1)
         return sample(logits, st, vocab_start=self.model.shard.vocab_start, vocab_size=self.model.cfg.vocab_size,
@@ -343,14 +345,21 @@ class Engine:
             r.prompt_group, r.shared_prompt = -1, 0
         self.active += list(requests)
 
-    def warm_graphs(self, batch: int, modes: Sequence[str]) -> int:
-        """Capture the decode graphs of every batch bucket up to ``batch``'s for ``modes`` now
-        (otherwise each is captured at its first use); returns how many were captured. Collective
-        over the tp group, like a decode step. A no-op without CUDA graphs."""
+    def warm_graphs(self, batch: int, modes: Sequence[str], *, shared: bool = False) -> int:
+        """Capture the decode graphs of every batch bucket up to ``batch``'s for the sampling
+        ``modes`` now (otherwise each is captured at its first use), for rows that read shared
+        prompts or (default) for rows that do not; returns how many were captured. Collective over
+        the tp group, like a decode step. A no-op without CUDA graphs."""
         if not self.use_graphs:
             return 0
         buckets = [n for n in self.decode.buckets if n <= self.decode.bucket(batch)]
-        return sum(self.decode.capture(n, mode) for n in buckets for mode in modes)
+        shares = shared and self.config.share_prompt_kv
+        return sum(self.decode.capture(n, (mode, shares)) for n in buckets for mode in modes)
+
+    def _graph_key(self, rows: list[Request]) -> tuple[str, bool]:
+        """What a decode step is specialised (and its graph captured) for: the rows' sampling mode,
+        and whether any row reads a shared prompt; a step where none does skips the prompt kernel."""
+        return _mode(rows), self.config.share_prompt_kv and any(r.prompt_group >= 0 for r in rows)
 
     def _prefill_units(self, requests: Sequence[Request]) -> list[list[Request]]:
         """Requests that share one prefill: fresh samples of one prompt (at most ``num_slots``);
@@ -386,14 +395,14 @@ class Engine:
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s)
         lengths = torch.tensor([len(s) for s in seqs])
-        slots = torch.tensor([u[0].slot for u in units])
+        # every sample of a unit gets the unit's keys and values (one write per layer)
+        slots = torch.tensor([r.slot for u in units for r in u])
+        owners = torch.tensor([i for i, u in enumerate(units) for _ in u])
         logits = prefill_logits(self.model, self.cache, ids.to(self.device), lengths.to(self.device),
-                                slots.to(self.device))  # [G, V_local]
+                                slots.to(self.device), owners.to(self.device))  # [G, V_local]
         self.stats.prefill_tokens += int(lengths.sum())
         fresh, rows = [], []
         for i, (unit, seq) in enumerate(zip(units, seqs)):
-            if len(unit) > 1:
-                self.cache.copy_prefix(unit[0].slot, [r.slot for r in unit[1:]], len(seq))
             # prompt groups of at most PROMPT_ROWS adjacent rows, as the attention kernel asks
             groups = [next(_PROMPT_GROUPS) for _ in range(-(-len(unit) // PROMPT_ROWS))] if len(unit) > 1 else []
             for j, r in enumerate(unit):
@@ -436,7 +445,7 @@ class Engine:
 
     def _launch(self, rows: list[Request]) -> _Launched:
         start = time.perf_counter()
-        tokens, logprobs = self.decode.run(_mode(rows))
+        tokens, logprobs = self.decode.run(self._graph_key(rows))
         self._host.reverse()
         host = self._host[0][:, :len(rows)]
         host.copy_(torch.stack([tokens.double(), logprobs.double()]), non_blocking=True)

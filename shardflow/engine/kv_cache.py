@@ -124,9 +124,3 @@ class KVCache:
               v: torch.Tensor) -> None:
         """Store k, v [B, kv_heads, T, d] of rows ``slots`` [B] at ``positions`` [B, T]."""
         write_kv(self.k[layer], self.v[layer], slots, positions, k, v)
-
-    def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:
-        """Copy the first ``length`` positions of slot ``src`` into slots ``dsts`` (shared prompts)."""
-        index = torch.tensor(dsts, device=next(iter(self.k.values())).device)
-        for cache in (*self.k.values(), *self.v.values()):
-            cache[index, :, :length] = cache[src, :, :length]

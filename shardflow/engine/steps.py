@@ -24,14 +24,18 @@ DecodeAttention = Callable[..., torch.Tensor]
 
 
 def prefill_logits(model: Transformer, cache: KVCache, ids: torch.Tensor, lengths: torch.Tensor,
-                   slots: torch.Tensor) -> torch.Tensor:
-    """ids [G,T] right-padded, lengths [G], slots [G] -> logits [G, V_local] of each last real token."""
+                   slots: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """ids [G,T] right-padded, lengths [G] -> logits [G, V_local] of each last real token. Keys and
+    values of row ``rows[n]`` go into slot ``slots[n]`` (default: row n into slot n), so that the
+    samples of a prompt get its prefill in the same write, with no copies afterwards."""
     G, T = ids.shape
     positions = torch.arange(T, device=ids.device).expand(G, T)
+    written = positions[:1].expand(slots.shape[0], T)
     windows = model.cfg.sliding_windows
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache.write(layer, slots, positions, k, v)  # padding positions too; decode overwrites them
+        fresh = (k, v) if rows is None else (k[rows], v[rows])
+        cache.write(layer, slots, written, *fresh)  # padding positions too; decode overwrites them
         return causal_attention(q, k, v, windows[layer])
 
     hidden = model(ids, positions, attend)  # [G,T,H]
