@@ -24,11 +24,12 @@
 #                         GRPO iteration against TRL
 #   bench/h200.sh OUT l   decode attention reading a prompt once for its samples (the default): the
 #                         kernel alone; one GRPO iteration against TRL; the iteration (no TRL) without it
+#   bench/h200.sh OUT m   one GRPO iteration against TRL; the engine at batch 1 and 64 x 1K with parity
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
-OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l}
-PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l}
+OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l|m}
+PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l|m}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORK=$(mktemp -d)
 LOG=$OUT/log.txt
@@ -127,6 +128,11 @@ case $PART in
     run iteration 330 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 3 --skip-planner
     mv "$OUT/iteration.json" "$OUT/iteration_trl.json" 2>/dev/null  # the next run writes iteration.json too
     iteration own_kv --set generation.share_prompt_kv=false
+    ;;
+  m)
+    run iteration 330 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 3 --skip-planner
+    run generation 240 generation.json python3 bench/generation.py --batches 1,64 --contexts 1024 --steps 24 \
+      --skip-transformers
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40
