@@ -130,12 +130,14 @@ def to_sequence_batch(requests: Sequence[Request]) -> SequenceBatch:
     ``prompt_lengths`` per sequence, ``finish_reason`` in meta; sample ids are the request ids."""
     if any(not r.done for r in requests):
         raise ValueError("only finished requests make a batch")
-    prompt = [len(r.prompt_ids) for r in requests]
-    ids = [torch.tensor(r.prompt_ids + r.output_ids, dtype=torch.long) for r in requests]
-    mask = [torch.cat([torch.zeros(p), torch.ones(len(r.output_ids))]) for p, r in zip(prompt, requests)]
-    logprobs = [torch.cat([torch.zeros(p), torch.tensor(r.output_logprobs, dtype=torch.float32)])
-                for p, r in zip(prompt, requests)]
-    return SequenceBatch.from_lists(
-        [r.request_id for r in requests], {"input_ids": ids, "loss_mask": mask, "logprobs": logprobs},
-        seq_fields={"prompt_lengths": torch.tensor(prompt, dtype=torch.long)},
-        meta={"finish_reason": [r.finish_reason for r in requests]})
+    # One tensor per field from flat lists (hundreds of sequences of hundreds of tokens per call).
+    prompt = torch.tensor([len(r.prompt_ids) for r in requests], dtype=torch.long)
+    output = torch.tensor([len(r.output_ids) for r in requests], dtype=torch.long)
+    ids = torch.tensor([t for r in requests for t in (*r.prompt_ids, *r.output_ids)], dtype=torch.long)
+    logprobs = torch.tensor([x for r in requests for x in (*[0.0] * len(r.prompt_ids), *r.output_logprobs)],
+                            dtype=torch.float32)
+    parts = torch.stack([prompt, output], 1).reshape(-1)  # prompt, completion, prompt, ...
+    mask = torch.tensor([0.0, 1.0]).repeat(len(requests)).repeat_interleave(parts)
+    return SequenceBatch(torch.tensor([r.request_id for r in requests], dtype=torch.long), prompt + output,
+                         {"input_ids": ids, "loss_mask": mask, "logprobs": logprobs},
+                         {"prompt_lengths": prompt}, {"finish_reason": [r.finish_reason for r in requests]})
