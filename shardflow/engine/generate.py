@@ -7,8 +7,8 @@ tokens, which ``sampling.sample`` makes identical across tp). ``submit`` queues 
 
 1. admit waiting requests into free KV slots, first come first served; the samples of one prompt
    are admitted together (at most ``num_slots`` at a time) and share one prefill;
-2. prefill the admitted prompts in chunks of at most ``max_prefill_tokens`` padded tokens, copy
-   each prompt's KV into its sibling samples' slots, and sample every request's first token;
+2. prefill the admitted prompts in chunks of at most ``max_prefill_tokens`` padded tokens, writing
+   each prompt's KV into the slots of all its samples, and sample every request's first token;
 3. launch one decode step over every active request (graph-captured on GPU), then read back the
    tokens of the step launched before it: the host does its bookkeeping while the device decodes,
    and a batch whose rows do not change goes from step to step without host work in between

@@ -30,12 +30,13 @@ def prefill_logits(model: Transformer, cache: KVCache, ids: torch.Tensor, length
     samples of a prompt get its prefill in the same write, with no copies afterwards."""
     G, T = ids.shape
     positions = torch.arange(T, device=ids.device).expand(G, T)
-    written = positions[:1].expand(slots.shape[0], T)
+    # writes of at most G rows each, so that the gathered keys and values never outgrow k and v
+    writes = [(slots[i:i + G], None if rows is None else rows[i:i + G]) for i in range(0, len(slots), G)]
     windows = model.cfg.sliding_windows
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        fresh = (k, v) if rows is None else (k[rows], v[rows])
-        cache.write(layer, slots, written, *fresh)  # padding positions too; decode overwrites them
+        for to, of in writes:  # padding positions too; decode overwrites them
+            cache.write(layer, to, positions[:len(to)], *((k, v) if of is None else (k[of], v[of])))
         return causal_attention(q, k, v, windows[layer])
 
     hidden = model(ids, positions, attend)  # [G,T,H]
