@@ -22,6 +22,7 @@ Prints a table and writes ``generation.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import statistics
 import sys
@@ -294,8 +295,9 @@ def main() -> None:
     parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
                         help="torch.compile mode of the decode step; other than default, every batch size "
                              "compiles for its own static shapes (autotuned kernels are chosen per shape)")
-    parser.add_argument("--coordinate-descent", action="store_true",
-                        help="let inductor tune each generated kernel's launch settings (slower compilation)")
+    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                        help="set torch._inductor.config's KEY to a Python literal before compiling, e.g. "
+                             "combo_kernels=True or coordinate_descent_tuning=True (repeatable)")
     parser.add_argument("--blas-library", choices=BLAS_LIBRARIES, default=None,
                         help="the BLAS library of the engine's decode products (default: torch's)")
     parser.add_argument("--transposed-weights", action="store_true",
@@ -327,9 +329,13 @@ def main() -> None:
                    transposed_weights=args.transposed_weights, share_prompt_kv=args.share_prompt_kv)
     if args.compile_mode != "default":
         torch._dynamo.config.automatic_dynamic_shapes = False
-    if args.coordinate_descent:
-        torch._inductor.config.coordinate_descent_tuning = True
-        report["coordinate_descent"] = True
+    for setting in args.inductor:  # before any work, so that a bad key costs nothing
+        key, _, value = setting.partition("=")
+        try:
+            setattr(torch._inductor.config, key, ast.literal_eval(value))
+        except (AttributeError, ValueError, SyntaxError) as e:
+            parser.error(f"--inductor {setting}: {e}")
+    report["inductor"] = args.inductor
     t0 = time.perf_counter()
 
     def save() -> None:  # after every section, so a run cut short still leaves what it measured

@@ -25,11 +25,13 @@
 #   bench/h200.sh OUT l   decode attention reading a prompt once for its samples (the default): the
 #                         kernel alone; one GRPO iteration against TRL; the iteration (no TRL) without it
 #   bench/h200.sh OUT m   one GRPO iteration against TRL; the engine at batch 1 and 64 x 1K with parity
+#   bench/h200.sh OUT n   the engine at batch 1, 64 and 256 x 1K with inductor's combo kernels (independent
+#                         kernels of the decode step launched as one), then without
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
-OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l|m}
-PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l|m}
+OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l|m|n}
+PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l|m|n}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORK=$(mktemp -d)
 LOG=$OUT/log.txt
@@ -133,6 +135,10 @@ case $PART in
     run iteration 330 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 3 --skip-planner
     run generation 240 generation.json python3 bench/generation.py --batches 1,64 --contexts 1024 --steps 24 \
       --skip-transformers
+    ;;
+  n)
+    engine combo 240 --batches 1,64,256 --contexts 1024 --inductor combo_kernels=True
+    engine plain 200 --batches 1,64,256 --contexts 1024
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40
