@@ -27,11 +27,13 @@
 #   bench/h200.sh OUT m   one GRPO iteration against TRL; the engine at batch 1 and 64 x 1K with parity
 #   bench/h200.sh OUT n   the engine at batch 1, 64 and 256 x 1K with inductor's combo kernels (independent
 #                         kernels of the decode step launched as one), then without
+#   bench/h200.sh OUT o   one GRPO iteration against TRL; the engine at batch 1 and 64 x 1K with combo kernels
+#   bench/h200.sh OUT p   the GRPO iteration against TRL over more steps (5 and 6), then the training call's kernel profile
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present.
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
-OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l|m|n}
-PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l|m|n}
+OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p}
+PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORK=$(mktemp -d)
 LOG=$OUT/log.txt
@@ -139,6 +141,14 @@ case $PART in
   n)
     engine combo 240 --batches 1,64,256 --contexts 1024 --inductor combo_kernels=True
     engine plain 200 --batches 1,64,256 --contexts 1024
+    ;;
+  o)
+    run iteration 330 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 3 --skip-planner
+    engine combo 240 --batches 1,64 --contexts 1024 --inductor combo_kernels=True
+    ;;
+  p)
+    run iteration 400 iteration.json python3 bench/iteration.py --iterations 5 --trl-steps 6 --skip-planner
+    run train_call 150 shared_prompts.json python3 bench/shared_prompts.py --skip-parity --profile
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40

@@ -16,7 +16,8 @@ rows: parity on this device, then the training call's time on the GRPO iteration
    the variable-length kernel), and the gather alone.
 3. speed: one training step of the GRPO iteration's call (``--prompts`` x ``--samples`` sequences of
    ``--prompt-tokens`` + ``--response-tokens``), padded and shared, median of ``--steps`` after a
-   warm-up, with the tokens each runs through the layers.
+   warm-up, with the tokens each runs through the layers; with ``--profile`` (GPU), the device
+   time of one shared step by kind of kernel, and its top kernels.
 Prints a table and writes ``shared_prompts.json`` to ``--out``.
 """
 
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from iteration import QWEN3_1_7B  # noqa: E402
+from train_step import kernel_profile  # noqa: E402
 
 from shardflow.batch import SequenceBatch  # noqa: E402
 from shardflow.engine.inference import infer  # noqa: E402
@@ -193,6 +195,9 @@ def speed(work: Path, device: torch.device, dtype: torch.dtype, shape: dict, arg
             times.append(time.perf_counter() - start)
         out[name] = {"step_s": statistics.median(times[1:]), "steps_s": times,
                      "model_tokens": metrics["model_tokens"], "micro_batches": metrics["num_micro_batches"]}
+    if args.profile and device.type == "cuda":
+        out["shared"]["profile"] = kernel_profile(
+            lambda: engine.step(batch, PolicyLoss(), micro_batch_tokens=args.micro_batch_tokens, share_prompts=True))
     return out
 
 
@@ -209,6 +214,7 @@ def main() -> None:
     parser.add_argument("--attention-repeats", type=int, default=20)
     parser.add_argument("--skip-parity", action="store_true")
     parser.add_argument("--skip-speed", action="store_true", help="no training steps (parity and attention only)")
+    parser.add_argument("--profile", action="store_true", help="kernel profile of one shared step (GPU)")
     args = parser.parse_args()
     if args.tiny:
         args.prompts, args.samples, args.prompt_tokens, args.response_tokens = 4, 4, 8, 8
@@ -243,6 +249,12 @@ def main() -> None:
         print("|---|---:|---:|---:|")
         for name, row in result["speed"].items():
             print(f"| {name} | {row['step_s']:.3f} | {row['model_tokens']:.0f} | {row['micro_batches']:.0f} |")
+        if "profile" in result["speed"]["shared"]:
+            prof = result["speed"]["shared"]["profile"]
+            kinds = ", ".join(f"{k} {v:.0f} ms" for k, v in sorted(prof["device_ms_by_kind"].items(), key=lambda kv: -kv[1]))
+            print(f"profiled shared step: {prof['wall_ms']:.0f} ms wall; device time: {kinds}")
+            for k in prof["top"]:
+                print(f"    {k['ms']:8.1f} ms x{k['calls']:<5} {k['name']}")
     if p is not None and not p["ok"]:
         sys.exit(1)
 

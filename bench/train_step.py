@@ -16,8 +16,10 @@ In one launch (one process per rank):
    per tensor copied to the device while micro-batches are prepared, before the pipeline runs;
 3. with ``--profile`` (GPU): a kernel-level profile of one step of the first layout on rank 0,
    device time by kind (matrix products, attention, optimizer, the rest) and the top kernels.
-``--model qwen3-1.7b --batch 256 --max-len 576 --equal-lengths --compile`` is the training call of
-``bench/iteration.py``'s GRPO iteration.
+``--model qwen3-1.7b --batch 256 --max-len 576 --equal-lengths --compile`` is the shape of
+``bench/iteration.py``'s GRPO training call with every sample's prompt in its own row; the call as
+the iteration runs it (a prompt held once for its samples) is profiled by ``bench/shared_prompts.py
+--profile``.
 Prints a table and writes ``train_step.json`` to ``--out``.
 """
 
