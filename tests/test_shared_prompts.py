@@ -14,7 +14,7 @@ from shardflow.engine.inference import infer
 from shardflow.engine.shared_prompts import (MIN_SAVING, SharedRow, group_by_prompt, make_shared_micro_batches,
                                             plan_micro_batches, split_rows)
 from shardflow.models.checkpoint import load_model
-from shardflow.models.packed_attention import packed_attention
+from shardflow.models.packed_attention import PackedSequences, gather_keys, packed_attention
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
 
@@ -119,6 +119,21 @@ def test_packed_attention_equals_causal_attention_per_sample():
         (own * weights[rows] / copies[rows]).sum().backward()
     for got, want in zip(qkv, leaves):
         torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=0)
+
+
+def test_key_gather_sums_the_gradients_of_repeated_slots():
+    """The gather's backward (first slots gathered, repeats added) against plain index_add."""
+    # a prompt [0, 1] read by itself and by two samples [2, 3] and [4]
+    kv_index = torch.tensor([0, 1, 0, 1, 2, 3, 0, 1, 4])
+    seqs = PackedSequences.build(kv_index, [2, 2, 1], [2, 4, 3])
+    assert seqs.extra_slot.tolist() == [2, 3, 6, 7]
+    x = torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(9, 2, 3, dtype=torch.float64)
+    gather_keys(x, seqs).backward(grad)
+    want = torch.zeros_like(x).index_add_(0, kv_index, grad)
+    torch.testing.assert_close(x.grad, want, rtol=1e-14, atol=0)
+    with pytest.raises(ValueError, match="every packed token must be a key"):
+        PackedSequences.build(torch.tensor([0, 0, 2]), [2, 1], [2, 1])
 
 
 INFER_LAYOUTS = ["d1p1t1@0", "d1p2t2@0-3", "d2p1t1@0-1"]

@@ -30,21 +30,45 @@ class PackedSequences:
     cu_k: torch.Tensor  # [S+1] int32: key sequence starts in kv_index
     max_q: int  # longest query sequence
     max_k: int  # longest key sequence
+    # The key gather's backward, without atomics over every slot: each token takes the gradient of
+    # its first slot, then the few repeated slots (a shared prompt's, once per sample) are added.
+    first_slot: torch.Tensor  # [N] int64: the first key slot of each packed token
+    extra_slot: torch.Tensor  # [N_kv - N] int64: every other key slot...
+    extra_token: torch.Tensor  # [N_kv - N] int64: ...and its token
 
     @classmethod
     def build(cls, kv_index: torch.Tensor, q_lens: list[int], k_lens: list[int]) -> "PackedSequences":
         """From the key slots' tokens and the sequences' query and key lengths (host values)."""
         cumsum = lambda n: torch.tensor([0, *n], dtype=torch.int32).cumsum(0, dtype=torch.int32)  # noqa: E731
-        return cls(kv_index, cumsum(q_lens), cumsum(k_lens), max(q_lens), max(k_lens))
+        tokens, slots = sum(q_lens), torch.arange(len(kv_index))
+        first = torch.full((tokens,), len(kv_index), dtype=torch.long)
+        first.scatter_reduce_(0, kv_index, slots, "amin")
+        if len(kv_index) and (first == len(kv_index)).any():
+            raise ValueError("every packed token must be a key of some sequence (its own is enough)")
+        extra = slots[first[kv_index] != slots]
+        return cls(kv_index, cumsum(q_lens), cumsum(k_lens), max(q_lens), max(k_lens), first, extra, kv_index[extra])
 
     def to(self, device: torch.device | str) -> "PackedSequences":
         move = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
         return PackedSequences(**move)
 
 
+class _GatherKeys(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
+        ctx.seqs = seqs
+        return x.index_select(0, seqs.kv_index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        seqs = ctx.seqs
+        out = grad.index_select(0, seqs.first_slot)
+        return out.index_add_(0, seqs.extra_token, grad.index_select(0, seqs.extra_slot)), None
+
+
 def gather_keys(x: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
     """[N,...] packed tokens -> [N_kv,...] key slots, sequence after sequence."""
-    return x.index_select(0, seqs.kv_index)
+    return _GatherKeys.apply(x, seqs)
 
 
 @torch.compiler.disable  # its sizes are Python ints that change per micro-batch: keep them out of graphs
