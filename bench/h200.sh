@@ -29,7 +29,8 @@
 #                         kernels of the decode step launched as one), then without
 #   bench/h200.sh OUT o   one GRPO iteration against TRL; the engine at batch 1 and 64 x 1K with combo kernels
 #   bench/h200.sh OUT p   the GRPO iteration against TRL over more steps (5 and 6), then the training call's kernel profile
-# TRL and what it needs beside the machine's packages are installed from .whl/ when present.
+# TRL and what it needs beside the machine's packages are installed from .whl/ when present
+# (bash bench/fetch_trl_wheels.sh puts them there).
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
 OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p}

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Wheels for the TRL comparison of bench/iteration.py on a machine without a package index
+# (Python 3.12, x86-64): TRL and what it needs beyond torch and transformers. Run where pip
+# reaches an index; bench/h200.sh installs whatever lies in .whl/ before its parts run.
+#   bash bench/fetch_trl_wheels.sh [DIR]   (default .whl)
+set -eu
+DIR=${1:-.whl}
+mkdir -p "$DIR"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any -d "$DIR" \
+  trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0
+ls "$DIR"
