@@ -50,14 +50,6 @@ class Transfer:
     def local(self) -> bool:
         return self.src_rank == self.dst_rank
 
-    @property
-    def src_range(self) -> tuple[int, int]:
-        return self.src_start, self.src_start + self.length
-
-    @property
-    def dst_range(self) -> tuple[int, int]:
-        return self.dst_start, self.dst_start + self.length
-
     def src_view(self, tensor):
         return tensor if self.dim is None else tensor.narrow(self.dim, self.src_start, self.length)
 

@@ -55,10 +55,6 @@ class SimResult:
     call_ends: dict[str, float]  # of the last iteration
     events: tuple[Event, ...] = ()
 
-    @property
-    def makespan(self) -> float:
-        return self.iteration_ends[-1]
-
 
 def _block(devices: tuple[int, ...]) -> tuple[int, int] | None:
     """(first, last) when the ranks, in any order, are exactly a block of consecutive ranks."""
