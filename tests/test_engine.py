@@ -159,13 +159,19 @@ def test_evicted_requests_continue_in_another_engine(llama):
     assert batch.meta["finish_reason"][3] == "length"
 
 
-def test_samples_of_a_prompt_share_its_prefill(llama):
+@pytest.mark.parametrize("samples", [(3, 3, 3), (3, 1, 2)])
+def test_samples_of_a_prompt_share_its_prefill(llama, samples):
     """One prefill per prompt writes its keys and values into every sample's slot: greedy samples
-    of different-length prompts, admitted together, each continue as transformers does."""
+    of different-length prompts, admitted together (with equal and with different sample counts),
+    each continue as transformers does."""
     path, model = llama
     ps = prompts()[:3]
     engine = Engine(model, EngineConfig(max_seq_len=64), eos_token_ids=())
-    requests = make_requests(ps, SamplingParams(max_new_tokens=6, **GREEDY), samples_per_prompt=3)
+    requests = []
+    for i, n in enumerate(samples):
+        for r in make_requests([ps[i]], SamplingParams(max_new_tokens=6, **GREEDY), samples_per_prompt=n):
+            r.request_id, r.group = len(requests), i
+            requests.append(r)
     engine.generate(requests)
     assert engine.stats.prefill_tokens == sum(len(p) for p in ps)  # once per prompt
     for r in requests:

@@ -395,11 +395,8 @@ class Engine:
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s)
         lengths = torch.tensor([len(s) for s in seqs])
-        # every sample of a unit gets the unit's keys and values (one write per layer)
-        slots = torch.tensor([r.slot for u in units for r in u])
-        owners = torch.tensor([i for i, u in enumerate(units) for _ in u])
         logits = prefill_logits(self.model, self.cache, ids.to(self.device), lengths.to(self.device),
-                                slots.to(self.device), owners.to(self.device))  # [G, V_local]
+                                self._prefill_writes(units))  # [G, V_local]
         self.stats.prefill_tokens += int(lengths.sum())
         fresh, rows = [], []
         for i, (unit, seq) in enumerate(zip(units, seqs)):
@@ -422,6 +419,16 @@ class Engine:
                                       vocab_size=self.model.cfg.vocab_size, group=self.model.tp_group,
                                       mode=_mode(fresh))
             self._record_device(fresh, tokens, logprobs)
+
+    def _prefill_writes(self, units: list[list[Request]]) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+        """Every sample of a unit gets the unit's keys and values: one write per layer for the units
+        of each sample count (usually one count), so that no row's write is padded."""
+        writes = []
+        for n in sorted({len(u) for u in units}):
+            rows = [i for i, u in enumerate(units) if len(u) == n]
+            slots = torch.tensor([[r.slot for r in units[i]] for i in rows], device=self.device)
+            writes.append((None if len(rows) == len(units) else torch.tensor(rows, device=self.device), slots))
+        return writes
 
     def _decode_step(self, on_finish: Callable[[Request], None] | None) -> None:
         """Launch the next decode step, then read back the one before it."""

@@ -28,7 +28,15 @@ def bytes_per_slot(shard: RankShard, cfg: ModelConfig, max_len: int, dtype: torc
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
     """Store k, v [B, kv_heads, T, d] into caches [S, kv_heads, M, d] at rows ``slots`` [B] and
-    ``positions`` [B, T]."""
+    ``positions`` [B, T]. With ``slots`` [B, N], row b goes into each of its N slots (a prompt's
+    samples) in the same write; the values are broadcast, not copied."""
+    if slots.dim() == 2:
+        B, N = slots.shape
+        T = positions.shape[1]
+        rows, at = slots[:, :, None].expand(B, N, T), positions[:, None].expand(B, N, T)
+        k_cache[rows, :, at] = k.transpose(1, 2)[:, None]
+        v_cache[rows, :, at] = v.transpose(1, 2)[:, None]
+        return
     # Indices on dims 0 and 2 around a slice: the indexed view is [B, T, kv_heads, d].
     rows = slots[:, None].expand_as(positions)
     k_cache[rows, :, positions] = k.transpose(1, 2)
@@ -122,5 +130,6 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
-        """Store k, v [B, kv_heads, T, d] of rows ``slots`` [B] at ``positions`` [B, T]."""
+        """Store k, v [B, kv_heads, T, d] of rows ``slots`` [B] (or [B, N]: see ``write_kv``) at
+        ``positions`` [B, T]."""
         write_kv(self.k[layer], self.v[layer], slots, positions, k, v)

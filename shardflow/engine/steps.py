@@ -12,7 +12,7 @@ all-reduces per layer and one for the embedding) are the only communication.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -24,19 +24,19 @@ DecodeAttention = Callable[..., torch.Tensor]
 
 
 def prefill_logits(model: Transformer, cache: KVCache, ids: torch.Tensor, lengths: torch.Tensor,
-                   slots: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+                   writes: Sequence[tuple[torch.Tensor | None, torch.Tensor]]) -> torch.Tensor:
     """ids [G,T] right-padded, lengths [G] -> logits [G, V_local] of each last real token. Keys and
-    values of row ``rows[n]`` go into slot ``slots[n]`` (default: row n into slot n), so that the
-    samples of a prompt get its prefill in the same write, with no copies afterwards."""
+    values go to the cache by ``writes``: (rows [R] of the G, or None for all, slots [R, N]), row
+    ``rows[r]`` into each of ``slots[r]``, so that the samples of a prompt get its prefill in the
+    same write, with no copies afterwards."""
     G, T = ids.shape
     positions = torch.arange(T, device=ids.device).expand(G, T)
-    # writes of at most G rows each, so that the gathered keys and values never outgrow k and v
-    writes = [(slots[i:i + G], None if rows is None else rows[i:i + G]) for i in range(0, len(slots), G)]
     windows = model.cfg.sliding_windows
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        for to, of in writes:  # padding positions too; decode overwrites them
-            cache.write(layer, to, positions[:len(to)], *((k, v) if of is None else (k[of], v[of])))
+        for rows, slots in writes:  # padding positions too; decode overwrites them
+            kv = (k, v) if rows is None else (k[rows], v[rows])
+            cache.write(layer, slots, positions[:len(slots)], *kv)
         return causal_attention(q, k, v, windows[layer])
 
     hidden = model(ids, positions, attend)  # [G,T,H]
