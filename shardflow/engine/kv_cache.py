@@ -30,7 +30,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     """Store k, v [B, kv_heads, T, d] into caches [S, kv_heads, M, d] at rows ``slots`` [B] and
     ``positions`` [B, T]. With ``slots`` [B, N], row b goes into each of its N slots (a prompt's
     samples) in the same write; the values are broadcast, not copied."""
-    if slots.dim() == 2:
+    if slots.dim() == 2:  # prefill only: the decode step's write below stays as compiled and measured
         B, N = slots.shape
         T = positions.shape[1]
         rows, at = slots[:, :, None].expand(B, N, T), positions[:, None].expand(B, N, T)
