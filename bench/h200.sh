@@ -30,12 +30,13 @@
 #   bench/h200.sh OUT o   one GRPO iteration against TRL; the engine at batch 1 and 64 x 1K with combo kernels
 #   bench/h200.sh OUT p   the GRPO iteration against TRL over more steps (5 and 6), then the training call's kernel profile
 #   bench/h200.sh OUT q   the engine at batch 1 and 64 x 1K with parity, then with the weights transposed under cuBLASLt
+#   bench/h200.sh OUT r   the GRPO iteration against TRL at its default micro-batch (8) and at 32
 # TRL and what it needs beside the machine's packages are installed from .whl/ when present
 # (bash bench/fetch_trl_wheels.sh puts them there).
 # Every script's output goes to OUT/log.txt; the JSON files (and pictures) land flat in OUT.
 set -u
-OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q}
-PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q}
+OUT=${1:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r}
+PART=${2:?usage: bench/h200.sh OUT a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORK=$(mktemp -d)
 LOG=$OUT/log.txt
@@ -157,6 +158,10 @@ case $PART in
       --skip-transformers
     mv "$OUT/generation.json" "$OUT/generation_default.json" 2>/dev/null  # the next run writes generation.json too
     engine transposed_lt 200 --batches 1,64 --contexts 1024 --transposed-weights --blas-library cublaslt
+    ;;
+  r)
+    run iteration 540 iteration.json python3 bench/iteration.py --iterations 3 --trl-steps 4 \
+      --trl-micro-batches 8,32 --skip-planner
     ;;
 esac
 grep -E "^== |Traceback|Error|FAILED" "$LOG" | tail -40

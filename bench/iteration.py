@@ -6,8 +6,10 @@
 Workload (GPU): random Qwen3-1.7B-shaped weights, 32 prompts x 8 samples x 512 forced response
 tokens (EOS ignored), one optimizer step per iteration, no KL term (TRL's default beta=0), a cheap
 rule reward that varies within groups. Both systems run in their own process, one after the other.
+TRL's per-device micro-batch is a tuning knob of its own (its default is 8; 32 is faster here):
+``--trl-micro-batches`` runs TRL once per value, each against the same shardflow run.
 Reported: seconds per iteration (median after the first, which includes warm-up), the speed-up
-over TRL at the medians and, as a bound that TRL's step-to-step spread cannot flatter, at TRL's
+over each TRL run at the medians and, as a bound that TRL's step-to-step spread cannot flatter, at TRL's
 fastest step against shardflow's slowest (both after the first), shardflow's time per phase, and each phase's roofline from the measured HBM bandwidth and matrix rate:
   generation: sum over decode steps of max(bytes read / bandwidth, FLOPs / matrix rate), plus
               each prompt's prefill once (a group's samples share it);
@@ -41,6 +43,7 @@ QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
             tie_word_embeddings=True)
+# trl_micro_batch: TRL's per-device micro-batch unless --trl-micro-batches says otherwise
 FULL_WORKLOAD = dict(prompts=32, samples_per_prompt=8, prompt_tokens=64, response_tokens=512, trl_micro_batch=32)
 TINY_WORKLOAD = dict(prompts=4, samples_per_prompt=4, prompt_tokens=8, response_tokens=8, trl_micro_batch=8)
 
@@ -180,11 +183,11 @@ def run_shardflow(work: Path, workload: dict, iterations: int, overrides: list[s
             "process_wall_s": wall}
 
 
-def run_trl(work: Path, steps: int) -> dict:
+def run_trl(work: Path, steps: int, micro_batch: int) -> dict:
     out = work / "trl.json"
     start = time.perf_counter()
     subprocess.run([sys.executable, str(ROOT / "bench" / "trl_grpo.py"), "--workdir", str(work), "--steps",
-                    str(steps), "--out", str(out)], check=True)
+                    str(steps), "--micro-batch", str(micro_batch), "--out", str(out)], check=True)
     result = json.loads(out.read_text())
     steady = result["step_seconds"][1:] or result["step_seconds"]
     return {**result, "median_step_s": statistics.median(steady), "process_wall_s": time.perf_counter() - start}
@@ -229,6 +232,13 @@ def planner_estimates(work: Path, ours: dict, workload: dict) -> dict:
             "reason": est.reason}
 
 
+def _positive_ints(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",")]
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
@@ -236,12 +246,18 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--trl-steps", type=int, default=3)
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--trl-micro-batches", type=_positive_ints, metavar="N[,N...]",
+                        help="TRL's per-device micro-batch, one TRL run per value (default: 32; TRL's own is 8)")
     parser.add_argument("--skip-planner", action="store_true", help="no planner estimate (its profile takes minutes)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for shardflow's run, e.g. algorithm.micro_batch_tokens=32768 "
                              "(repeatable)")
     args = parser.parse_args()
     shape, workload = (TINY, TINY_WORKLOAD) if args.tiny else (QWEN3_1_7B, FULL_WORKLOAD)
+    batch = workload["prompts"] * workload["samples_per_prompt"]
+    trl_micro_batches = args.trl_micro_batches or [workload["trl_micro_batch"]]
+    if any(batch % n for n in trl_micro_batches):
+        parser.error(f"--trl-micro-batches {trl_micro_batches}: each must divide the batch of {batch} samples")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -256,14 +272,15 @@ def main() -> None:
         result["shardflow"] = ours = run_shardflow(work, workload, args.iterations, args.set)
         (out / "iteration.json").write_text(json.dumps(result, indent=2))  # kept if the peer fails
         # The peer first: the planner's profile (minutes on a GPU) must not cost the comparison.
-        try:
-            trl = None if args.skip_trl else run_trl(work, args.trl_steps)
-        except (subprocess.CalledProcessError, OSError) as e:
-            trl, result["trl_error"] = None, str(e)
-        result["trl"] = trl
-        if trl is not None:
-            result["speed_up"] = speed_up(ours, trl)
-        (out / "iteration.json").write_text(json.dumps(result, indent=2))
+        result["trl"] = {}  # per-device micro-batch -> TRL's run, with the speed-up over it
+        for micro_batch in [] if args.skip_trl else trl_micro_batches:
+            try:
+                trl = run_trl(work, args.trl_steps, micro_batch)
+            except (subprocess.CalledProcessError, OSError) as e:
+                result.setdefault("trl_error", {})[micro_batch] = str(e)
+                continue
+            result["trl"][micro_batch] = {**trl, "speed_up": speed_up(ours, trl)}
+            (out / "iteration.json").write_text(json.dumps(result, indent=2))
         planner = {}
         if not args.skip_planner:
             try:
@@ -281,18 +298,19 @@ def main() -> None:
     ph = ours["phases_s"]
     print(f"| shardflow | {ours['median_iteration_s']:.2f} | {ph.get('actor_gen', 0):.2f} | "
           f"{ph.get('actor_train', 0):.2f} | {total_roof:.2f} |")
-    if trl is not None:
-        print(f"| TRL GRPOTrainer | {trl['median_step_s']:.2f} |  |  | {total_roof:.2f} |")
-        up = result["speed_up"]
-        print(f"speed-up over TRL: {up['median']:.2f}x at the medians, {up['worst_case']:.2f}x at TRL's fastest "
-              f"step against shardflow's slowest iteration")
+    for micro_batch, trl in result["trl"].items():
+        print(f"| TRL GRPOTrainer, micro-batch {micro_batch} | {trl['median_step_s']:.2f} |  |  | {total_roof:.2f} |")
+    for micro_batch, trl in result["trl"].items():
+        up = trl["speed_up"]
+        print(f"speed-up over TRL at micro-batch {micro_batch}: {up['median']:.2f}x at the medians, "
+              f"{up['worst_case']:.2f}x at TRL's fastest step against shardflow's slowest iteration")
     for call, row in planner.get("calls", {}).items():
         print(f"planner estimate {call}: {row['estimated_s']:.2f} s vs measured {row['measured_s']:.2f} s "
               f"({100 * row['relative_error']:+.0f}%)")
     if "error" in planner:
         print(f"planner estimate failed: {planner['error']}")
-    if "trl_error" in result:
-        print(f"TRL failed: {result['trl_error']}")
+    for micro_batch, error in result.get("trl_error", {}).items():
+        print(f"TRL at micro-batch {micro_batch} failed: {error}")
     print(f"rooflines: generation {roof['generation_s']:.2f} s, training {roof['training_s']:.2f} s "
           f"(HBM {roof['bandwidth_gb_s']:.0f} GB/s, bf16 {roof['matrix_tflops']:.0f} TFLOP/s measured); "
           f"with the kernels in sequence: generation {roof['sequential_generation_s']:.2f} s, "

@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer on a prepared workload: seconds per optimizer step (the peer of
 ``bench/iteration.py``). Run as its own process so that its memory never mixes with ours.
 
-    python bench/trl_grpo.py --workdir DIR --steps 3 --out trl.json
+    python bench/trl_grpo.py --workdir DIR --steps 3 --micro-batch 32 --out trl.json
 
 ``DIR`` holds ``model/`` (checkpoint + tokenizer), ``prompts.jsonl`` and ``workload.json`` (prompts,
 samples per prompt, response length), written by ``bench/iteration.py``.
@@ -26,6 +26,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--micro-batch", type=int, required=True,
+                        help="per_device_train_batch_size; it must divide prompts x samples (the accumulation "
+                             "steps make up one optimizer step over all of them)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -38,7 +41,7 @@ def main() -> None:
     prompts = [json.loads(line)["prompt"] for line in (work / "prompts.jsonl").read_text().splitlines()]
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
     samples, length = workload["samples_per_prompt"], workload["response_tokens"]
-    per_device = workload["trl_micro_batch"]
+    per_device = args.micro_batch
     cuda = torch.cuda.is_available()
     config = GRPOConfig(
         output_dir=str(work / "trl"), per_device_train_batch_size=per_device,
