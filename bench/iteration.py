@@ -6,11 +6,12 @@
 Workload (GPU): random Qwen3-1.7B-shaped weights, 32 prompts x 8 samples x 512 forced response
 tokens (EOS ignored), one optimizer step per iteration, no KL term (TRL's default beta=0), a cheap
 rule reward that varies within groups. Both systems run in their own process, one after the other.
-TRL's per-device micro-batch is a tuning knob of its own (its default is 8; 32 is faster here):
+TRL's per-device micro-batch is a knob of its own (TRL's default is 8, this script's 32):
 ``--trl-micro-batches`` runs TRL once per value, each against the same shardflow run.
 Reported: seconds per iteration (median after the first, which includes warm-up), the speed-up
-over each TRL run at the medians and, as a bound that TRL's step-to-step spread cannot flatter, at TRL's
-fastest step against shardflow's slowest (both after the first), shardflow's time per phase, and each phase's roofline from the measured HBM bandwidth and matrix rate:
+over each TRL run at the medians and, as a bound that TRL's step-to-step spread cannot flatter,
+at TRL's fastest step against shardflow's slowest (both after the first), shardflow's time per
+phase, and each phase's roofline from the measured HBM bandwidth and matrix rate:
   generation: sum over decode steps of max(bytes read / bandwidth, FLOPs / matrix rate), plus
               each prompt's prefill once (a group's samples share it);
   training:   6 x (layer matrix parameters x tokens + LM head x response tokens) / matrix rate
@@ -247,7 +248,8 @@ def main() -> None:
     parser.add_argument("--trl-steps", type=int, default=3)
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--trl-micro-batches", type=_positive_ints, metavar="N[,N...]",
-                        help="TRL's per-device micro-batch, one TRL run per value (default: 32; TRL's own is 8)")
+                        help="TRL's per-device micro-batch, one TRL run per value (default: 32, the tiny shape 8; "
+                             "TRL's own default is 8)")
     parser.add_argument("--skip-planner", action="store_true", help="no planner estimate (its profile takes minutes)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for shardflow's run, e.g. algorithm.micro_batch_tokens=32768 "
