@@ -44,20 +44,20 @@ from shardflow.engine.adaptive.generator import AdaptiveConfig, AdaptiveGenerato
 from shardflow.engine.adaptive.length_predictor import LengthPredictor  # noqa: E402
 from shardflow.engine.adaptive.reshard import view_model  # noqa: E402
 from shardflow.engine.adaptive.simulate import SimRequest, simulate  # noqa: E402
-from shardflow.engine.adaptive.step_time import Hardware, RooflineStepTime, StepTable, TableStepTime  # noqa: E402
+from shardflow.perf.step_time import Hardware, RooflineStepTime, StepTable, TableStepTime  # noqa: E402
 from shardflow.engine.adaptive.switch_cost import CostParams, SwitchCostModel  # noqa: E402
 from shardflow.engine.adaptive.switch_policy import Decider, PolicyConfig  # noqa: E402
 from shardflow.engine.adaptive.trace import GenerationTrace, SwitchRecord, plot_trace  # noqa: E402
-from shardflow.engine.generate import Engine, EngineConfig  # noqa: E402
-from shardflow.engine.replicas import generate_replicated  # noqa: E402
-from shardflow.engine.requests import Request, SamplingParams, make_requests  # noqa: E402
-from shardflow.models.config import ModelConfig  # noqa: E402
+from shardflow.engine.generate.engine import Engine, EngineConfig  # noqa: E402
+from shardflow.engine.generate.replicas import generate_replicated  # noqa: E402
+from shardflow.engine.generate.requests import Request, SamplingParams, make_requests  # noqa: E402
+from shardflow.config.model import ModelConfig  # noqa: E402
 from shardflow.models.transformer import build_model  # noqa: E402
 from shardflow.parallel import comm  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.parallel.sharding import shard_for  # noqa: E402
 from shardflow.parallel.world import World  # noqa: E402
-from shardflow.runtime.launch import launch  # noqa: E402
+from shardflow.parallel.launch import launch  # noqa: E402
 
 LLAMA = dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1,
              eos_token_id=2, max_position_embeddings=131072, rope_theta=500000.0)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation import LLAMA_8B, TINY, kernel_timed, llama_config, measure_bandwidth, random_model  # noqa: E402
 from iteration import QWEN3_1_7B  # noqa: E402
 
-from shardflow.engine.decode_attention import (  # noqa: E402
+from shardflow.engine.generate.decode_attention import (  # noqa: E402
     BLOCK_N,
     MAX_SPLITS,
     NUM_STAGES,
@@ -39,8 +39,8 @@ from shardflow.engine.decode_attention import (  # noqa: E402
     decode_attention_triton,
     num_splits,
 )
-from shardflow.engine.generate import Engine, EngineConfig  # noqa: E402
-from shardflow.engine.requests import SamplingParams, make_requests  # noqa: E402
+from shardflow.engine.generate.engine import Engine, EngineConfig  # noqa: E402
+from shardflow.engine.generate.requests import SamplingParams, make_requests  # noqa: E402
 
 
 ENGINE_KNOBS = (BLOCK_N, PROGRAMS_PER_SM, NUM_WARPS, NUM_STAGES)  # what the engine runs
@@ -52,7 +52,7 @@ def model_config(name: str):
         return llama_config(LLAMA_8B)
     from transformers import Qwen3Config
 
-    from shardflow.models.config import ModelConfig
+    from shardflow.config.model import ModelConfig
 
     hf = Qwen3Config(**QWEN3_1_7B, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
     hf.architectures = ["Qwen3ForCausalLM"]
@@ -177,7 +177,7 @@ def sampler_times(device, cfg) -> list[dict]:
     one-pass Triton kernel) and the torch candidates compiled by inductor (what the step ran
     before the kernel), with whether the two pick the same tokens and how far their
     log-probabilities are apart."""
-    from shardflow.engine.sampling import GREEDY, SAMPLE, SamplingTensors, local_candidates, pick, sample, scaled_logits
+    from shardflow.engine.generate.sampling import GREEDY, SAMPLE, SamplingTensors, local_candidates, pick, sample, scaled_logits
 
     compiled = torch.compile(local_candidates, dynamic=True) if device.type == "cuda" else local_candidates
     rows = []

@@ -34,12 +34,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shardflow.engine.decode_attention import ATTENTION  # noqa: E402
-from shardflow.config import BLAS_LIBRARIES, COMPILE_MODES  # noqa: E402
-from shardflow.engine.generate import Engine, EngineConfig  # noqa: E402
-from shardflow.engine.kv_cache import bytes_per_slot  # noqa: E402
-from shardflow.engine.requests import SamplingParams, make_requests  # noqa: E402
-from shardflow.models.config import ModelConfig  # noqa: E402
+from shardflow.engine.generate.decode_attention import ATTENTION  # noqa: E402
+from shardflow.config.settings import BLAS_LIBRARIES, COMPILE_MODES  # noqa: E402
+from shardflow.engine.generate.engine import Engine, EngineConfig  # noqa: E402
+from shardflow.engine.generate.kv_cache import bytes_per_slot  # noqa: E402
+from shardflow.engine.generate.requests import SamplingParams, make_requests  # noqa: E402
+from shardflow.config.model import ModelConfig  # noqa: E402
 from shardflow.models.transformer import build_model  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.parallel.sharding import shard_for  # noqa: E402
@@ -191,7 +191,7 @@ def worst_margin(model, prompts: list[list[int]], completions: list[list[int]], 
     plain full forward: 0 when every chosen token is the plain path's choice. The score is the
     logit (greedy), or logit / T plus the request's Gumbel noise, a pure function of its seed, the
     token's position and the vocabulary index (sampled)."""
-    from shardflow.engine.sampling import gumbel_noise
+    from shardflow.engine.generate.sampling import gumbel_noise
 
     worst = 0.0
     device = next(model.parameters()).device

@@ -132,7 +132,7 @@ def measure_rates(device: torch.device) -> tuple[float, float]:
 def rooflines(shape: dict, workload: dict, bandwidth: float, flops: float) -> dict[str, float]:
     from transformers import Qwen3Config
 
-    from shardflow.models.config import ModelConfig
+    from shardflow.config.model import ModelConfig
 
     hf = Qwen3Config(**shape)
     hf.architectures = ["Qwen3ForCausalLM"]
@@ -173,7 +173,7 @@ def run_shardflow(work: Path, workload: dict, iterations: int, overrides: list[s
     config = shardflow_config(work, workload, iterations, out)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "shardflow.cli", "train", str(config), *overrides], check=True, env=env)
+    subprocess.run([sys.executable, "-m", "shardflow.cli.main", "train", str(config), *overrides], check=True, env=env)
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steady = rows[1:] if len(rows) > 1 else rows
@@ -205,12 +205,12 @@ def speed_up(ours: dict, trl: dict) -> dict:
 def planner_estimates(work: Path, ours: dict, workload: dict) -> dict:
     """The planner's estimate of each call of this very run (a profile measured now, on this
     device, then the cost model), against the run's measured median call times."""
-    from shardflow.config import load_config
+    from shardflow.config.settings import load_config
     from shardflow.plan.estimate import estimate, from_execution_plan
     from shardflow.plan.execution_plan import ExecutionPlan
-    from shardflow.plan.hardware import Cluster
+    from shardflow.perf.hardware import Cluster
     from shardflow.plan.problem import problem_from_config
-    from shardflow.plan.profiler import run_profile
+    from shardflow.profiler.measure import run_profile
 
     profile_path = work / "profile.json"
     cuda = torch.cuda.is_available()

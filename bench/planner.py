@@ -20,10 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shardflow.config import load_config  # noqa: E402
+from shardflow.config.settings import load_config  # noqa: E402
 from shardflow.plan.baselines import heuristic, symmetric  # noqa: E402
 from shardflow.plan.estimate import to_execution_plan  # noqa: E402
-from shardflow.plan.hardware import Cluster  # noqa: E402
+from shardflow.perf.hardware import Cluster  # noqa: E402
 from shardflow.plan.problem import problem_from_config  # noqa: E402
 from shardflow.plan.search import SearchOptions, mcmc  # noqa: E402
 from shardflow.plan.space import Space  # noqa: E402

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from generation import kernel_timed, measure_bandwidth  # noqa: E402
 
-from shardflow.engine.decode_attention import PROMPT_ROWS, decode_attention_triton  # noqa: E402
+from shardflow.engine.generate.decode_attention import decode_attention_triton  # noqa: E402
+from shardflow.perf.sharing import PROMPT_ROWS  # noqa: E402
 
 
 def measure(device, dtype, prompts_n: int, samples: int, heads: int, kv_heads: int, d: int, prompt: int,

@@ -39,13 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from iteration import QWEN3_1_7B  # noqa: E402
 from train_step import kernel_profile  # noqa: E402
 
-from shardflow.batch import SequenceBatch  # noqa: E402
+from shardflow.data.batch import SequenceBatch  # noqa: E402
 from shardflow.engine.inference import infer  # noqa: E402
-from shardflow.engine.optimizer import OptimConfig  # noqa: E402
+from shardflow.engine.train.optimizer import OptimConfig  # noqa: E402
 from shardflow.engine.shared_prompts import group_by_prompt, make_shared_micro_batches, split_rows  # noqa: E402
 from shardflow.models.packed_attention import gather_keys, packed_attention  # noqa: E402
 from shardflow.models.transformer import causal_attention  # noqa: E402
-from shardflow.engine.train import TrainEngine  # noqa: E402
+from shardflow.engine.train.engine import TrainEngine  # noqa: E402
 from shardflow.models.checkpoint import load_model  # noqa: E402
 from shardflow.models.tiny import make_tiny_checkpoint  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402

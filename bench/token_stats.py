@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from generation import measure_bandwidth, timed  # noqa: E402
 
-from shardflow.parallel import token_stats  # noqa: E402
+from shardflow.models import token_stats  # noqa: E402
 
 
 def main() -> None:

@@ -42,16 +42,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from iteration import QWEN3_1_7B  # noqa: E402
 
-from shardflow.batch import SequenceBatch  # noqa: E402
+from shardflow.data.batch import SequenceBatch  # noqa: E402
 from shardflow.engine.micro_batches import split_by_tokens  # noqa: E402
-from shardflow.engine.optimizer import OptimConfig  # noqa: E402
-from shardflow.engine.train import TrainEngine  # noqa: E402
+from shardflow.engine.train.optimizer import OptimConfig  # noqa: E402
+from shardflow.engine.train.engine import TrainEngine  # noqa: E402
 from shardflow.models.checkpoint import load_model, save_checkpoint  # noqa: E402
-from shardflow.models.config import ModelConfig  # noqa: E402
+from shardflow.config.model import ModelConfig  # noqa: E402
 from shardflow.models.transformer import build_model  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.parallel.sharding import shard_for  # noqa: E402
-from shardflow.runtime.launch import launch  # noqa: E402
+from shardflow.parallel.launch import launch  # noqa: E402
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,

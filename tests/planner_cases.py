@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shardflow.models.config import ModelConfig
-from shardflow.plan.hardware import Cluster
+from shardflow.config.model import ModelConfig
+from shardflow.perf.hardware import Cluster
 from shardflow.plan.problem import Problem
 from shardflow.plan.workload import Workload
 from shardflow.rl.graph import Call, Graph, Kind

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from shardflow.runtime.launch import free_port
+from shardflow.parallel.launch import free_port
 
 JOB_TIMEOUT_S = float(os.environ.get("SHARDFLOW_TEST_JOB_TIMEOUT", "300"))
 

@@ -9,17 +9,18 @@ import pytest
 import torch
 
 from gen_helpers import prompts
-from shardflow.config import GenerationConfig
+from shardflow.config.settings import GenerationConfig
 from shardflow.engine.adaptive.generator import AdaptiveConfig, AdaptiveGenerator
-from shardflow.engine.adaptive.setup import adaptive_generator
+from shardflow.runtime.adaptive import adaptive_generator
 from shardflow.engine.adaptive.switch_policy import PolicyConfig
 from shardflow.engine.adaptive.trace import GenerationTrace, plot_trace
-from shardflow.engine.generate import Engine, EngineConfig
-from shardflow.engine.replicas import generate_replicated, replica_share
-from shardflow.engine.requests import SamplingParams, make_requests
+from shardflow.engine.generate.engine import Engine, EngineConfig
+from shardflow.engine.generate.replicas import generate_replicated, replica_share
+from shardflow.engine.generate.requests import SamplingParams, make_requests
 from shardflow.models.checkpoint import load_model
 from shardflow.parallel.layout import Layout
 from shardflow.plan.execution_plan import CallPlan
+from shardflow.engine.generate.decode_weights import make_decode_weights
 
 # float32 on both sides; a switch changes tp, which only reorders sums (a few ulps).
 LOGPROB_ATOL = 1e-4
@@ -65,7 +66,7 @@ def adaptive_job(world, path: str, start: str, targets: list[str], runs: dict, p
                                       config=AdaptiveConfig(policy=PolicyConfig(interval=interval)), steps=steps)
     if fuse:  # what GPU engines decode with: concatenated q/k/v and gate/up copies, refreshed per generation
         for m in generator.models.values():
-            m.make_decode_weights()
+            make_decode_weights(m)
     out = {"static": static and [(r.output_ids, r.output_logprobs, r.finish_reason) for r in static],
            "refused": [r.reason for r in generator.refused], "finish_ok": True}
     for name, schedule in runs.items():

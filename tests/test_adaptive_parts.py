@@ -9,13 +9,14 @@ import torch
 from shardflow.engine.adaptive.kv_migration import clean_slots, fit_problem, keeps_own, kv_plan, regroup_factor
 from shardflow.engine.adaptive.merge import nests, plan_merge
 from shardflow.engine.adaptive.reshard import view_model
-from shardflow.engine.kv_cache import KVCache
+from shardflow.engine.generate.kv_cache import KVCache
 from shardflow.models.checkpoint import load_weights
-from shardflow.models.config import ModelConfig
+from shardflow.config.model import ModelConfig
 from shardflow.models.tiny import tiny_hf_config
 from shardflow.models.transformer import build_model
 from shardflow.parallel.layout import Layout, split_replicas
 from shardflow.parallel.sharding import shard_for
+from shardflow.engine.generate.decode_weights import decode_weights_layout, drop_decode_weights, make_decode_weights, refresh_decode_weights
 
 L = Layout.parse
 
@@ -139,8 +140,8 @@ def test_what_fits_in_the_caches():
 
 
 def test_configuration_turns_it_on_and_checks_it():
-    from shardflow.config import GenerationConfig, load_config
-    from shardflow.engine.adaptive.setup import adaptive_generator, check_adaptive
+    from shardflow.config.settings import GenerationConfig, load_config
+    from shardflow.runtime.adaptive import adaptive_generator, check_adaptive
     from shardflow.plan.execution_plan import CallPlan
 
     call = CallPlan(layout=L("d2p1t1@0-1"))
@@ -158,8 +159,8 @@ def test_one_rank_generator_refusals_and_bad_schedules(checkpoints):
     generates what the plain engine does; malformed forced switches are errors before any work."""
     from gen_helpers import local_model, prompts
     from shardflow.engine.adaptive.generator import AdaptiveGenerator
-    from shardflow.engine.generate import Engine, EngineConfig
-    from shardflow.engine.requests import SamplingParams, make_requests
+    from shardflow.engine.generate.engine import Engine, EngineConfig
+    from shardflow.engine.generate.requests import SamplingParams, make_requests
     from shardflow.parallel.world import World
 
     model = local_model(checkpoints.get("llama", "llama"))
@@ -192,7 +193,7 @@ def test_decode_weight_copies_refresh_in_place(transposed):
     model = build_model(cfg, shard_for(cfg, L("d1p1t1@0"), 0), None, "cpu", torch.float32)
     for p in model.parameters():
         torch.nn.init.normal_(p)
-    model.make_decode_weights(transposed)
+    make_decode_weights(model, transposed)
     attn, mlp = model.model.layers["0"].self_attn, model.model.layers["0"].mlp
     copies = [attn.decode_qkv.weight, attn.decode_qkv.bias, mlp.decode_gate_up.weight]
     if transposed:
@@ -201,9 +202,9 @@ def test_decode_weight_copies_refresh_in_place(transposed):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    model.refresh_decode_weights()
+    refresh_decode_weights(model)
     assert [t.data_ptr() for t in copies] == pointers
-    assert model.decode_weights_layout == ("transposed" if transposed else "concatenated")
+    assert decode_weights_layout(model) == ("transposed" if transposed else "concatenated")
 
     def stored(w):
         return w.t() if transposed else w
@@ -225,16 +226,16 @@ def test_decode_weight_copies_refresh_in_place(transposed):
         decoded = model.logits(model(ids, positions))
     trained = model.logits(model(ids, positions))
     torch.testing.assert_close(decoded, trained, rtol=1e-5, atol=1e-4)
-    model.drop_decode_weights()
-    assert model.decode_weights_layout is None and model.decode_head is None
+    drop_decode_weights(model)
+    assert decode_weights_layout(model) is None and model.decode_head is None
 
 
 def test_step_times_from_a_planner_profile_or_measured_steps(tmp_path):
     import numpy as np
 
-    from shardflow.engine.adaptive.setup import step_times
-    from shardflow.engine.adaptive.step_time import Hardware, LayerStepTime, RooflineStepTime, TableStepTime
-    from shardflow.plan.profile import LayerProfile, Profile, Table, layer_key
+    from shardflow.runtime.adaptive import step_times
+    from shardflow.perf.step_time import Hardware, LayerStepTime, RooflineStepTime, TableStepTime
+    from shardflow.perf.profile import LayerProfile, Profile, Table, layer_key
 
     cfg = tiny()
     flat = Table((1.0,), (1.0,))

@@ -11,10 +11,10 @@ import pytest
 from shardflow.engine.adaptive.length_predictor import LengthPredictor
 from shardflow.engine.adaptive.merge import plan_merge
 from shardflow.engine.adaptive.simulate import SimRequest, simulate
-from shardflow.engine.adaptive.step_time import Hardware, LayerStepTime, RooflineStepTime, StepTable, TableStepTime
+from shardflow.perf.step_time import Hardware, LayerStepTime, RooflineStepTime, StepTable, TableStepTime
 from shardflow.engine.adaptive.switch_cost import CostParams, SwitchCostModel
 from shardflow.engine.adaptive.switch_policy import Decider, Loads, PolicyConfig, bucket_edges, bucket_sums
-from shardflow.models.config import ModelConfig
+from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout
 
 D2T1, D1T2 = Layout.parse("d2p1t1@0-1"), Layout.parse("d1p1t2@0-1")

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardflow.config import load_config
+from shardflow.config.settings import load_config
 from shardflow.examples.arithmetic import CONFIG_FILE, TASK_FILE
 
 
 def train_job(world, raw: dict, overrides: list[str]):
-    from shardflow.runtime.checks import prepare
+    from shardflow.runtime.validate import prepare
     from shardflow.runtime.driver import train_rank
 
     train_rank(world, prepare(load_config(None, overrides, base=raw)))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardflow.batch import SequenceBatch
-from shardflow.config import AlgorithmConfig
+from shardflow.data.batch import SequenceBatch
+from shardflow.config.settings import AlgorithmConfig
 from shardflow.rl import advantages as adv_module
 from shardflow.parallel.layout import Layout
 from shardflow.rl.advantages import (KLController, compute_advantages, gae, group_advantages, sequence_kl,

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from shardflow.batch import SequenceBatch
+from shardflow.data.batch import SequenceBatch
 
 
 def make() -> SequenceBatch:

@@ -12,7 +12,7 @@ import transformers
 from safetensors.torch import load_file
 
 from shardflow.models.checkpoint import CheckpointReader, load_model, save_checkpoint
-from shardflow.models.config import ModelConfig
+from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import check_layout, shard_for
 

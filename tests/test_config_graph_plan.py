@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from shardflow.config import load_config
-from shardflow.models.config import ModelConfig
+from shardflow.config.settings import load_config
+from shardflow.config.model import ModelConfig
 from shardflow.models.tiny import tiny_hf_config
 from shardflow.parallel.layout import Layout, merge_replicas, split_replicas
 from shardflow.parallel.sharding import shard_for

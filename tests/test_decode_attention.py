@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardflow.engine.decode_attention import decode_attention_torch
+from shardflow.engine.generate.decode_attention import decode_attention_torch
 
 pytest.importorskip("triton")
 
 
 def check_kernel() -> None:
-    from shardflow.engine.decode_attention import decode_attention_triton, num_splits
+    from shardflow.engine.generate.decode_attention import decode_attention_triton, num_splits
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     cpu = torch.device("cpu")
@@ -53,7 +53,8 @@ def check_shared_prompts() -> None:
     """Rows whose groups share a prompt (``prompts``) give the outputs of reading every row's own
     copy: groups of one row, of three, of PROMPT_ROWS, two adjacent groups with equal prompts,
     rows without a prompt between them, padding rows; one split and several."""
-    from shardflow.engine.decode_attention import PROMPT_ROWS, decode_attention_triton
+    from shardflow.engine.generate.decode_attention import decode_attention_triton
+    from shardflow.perf.sharing import PROMPT_ROWS
 
     g = torch.Generator().manual_seed(2)
     H, K, d = 4, 2, 16
@@ -84,8 +85,8 @@ def check_shared_prompts() -> None:
 def check_engine(path: str) -> None:
     """Greedy and sampled generation with the Triton kernel equal the torch path's."""
     from gen_helpers import local_model, prompts
-    from shardflow.engine.generate import Engine, EngineConfig
-    from shardflow.engine.requests import SamplingParams, make_requests
+    from shardflow.engine.generate.engine import Engine, EngineConfig
+    from shardflow.engine.generate.requests import SamplingParams, make_requests
 
     model = local_model(path)
     outputs = {}
@@ -107,8 +108,8 @@ def check_engine_sharing_prompts(path: str) -> None:
     from dataclasses import replace
 
     from gen_helpers import local_model, prompts
-    from shardflow.engine.generate import Engine, EngineConfig
-    from shardflow.engine.requests import SamplingParams, make_requests
+    from shardflow.engine.generate.engine import Engine, EngineConfig
+    from shardflow.engine.generate.requests import SamplingParams, make_requests
 
     model = local_model(path)
     outputs = {}
@@ -164,7 +165,7 @@ def test_kernels_compile_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from shardflow.engine import decode_attention as da
+    from shardflow.engine.generate import decode_attention as da
 
     pointers = {"Q": "bf16", "K": "bf16", "V": "bf16", "Out": "bf16", "Slots": "i64", "Lengths": "i64",
                 "Groups": "i64", "Prompt": "i64"}

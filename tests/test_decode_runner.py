@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from shardflow.engine.cuda_graphs import DecodeRunner, batch_buckets
+from shardflow.engine.generate.cuda_graphs import DecodeRunner, batch_buckets
 
 SCRATCH = 9
 

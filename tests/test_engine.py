@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from gen_helpers import hf_greedy, hf_logprobs, local_model, prompts
-from shardflow.engine.generate import Engine, EngineConfig
-from shardflow.engine.kv_cache import KVCache, bytes_per_slot
-from shardflow.engine.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
-from shardflow.models.config import ModelConfig
+from shardflow.engine.generate.engine import Engine, EngineConfig
+from shardflow.engine.generate.kv_cache import KVCache, bytes_per_slot
+from shardflow.engine.generate.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
+from shardflow.config.model import ModelConfig
 from shardflow.models.transformer import build_model
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for

@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from shardflow.config import DataConfig, load_config
+from shardflow.config.settings import DataConfig, load_config
 from shardflow.data.prompts import load_prompts
 from shardflow.examples import arithmetic
 from shardflow.rl.rewards import math_score

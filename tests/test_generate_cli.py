@@ -12,8 +12,8 @@ import torch
 from transformers import AutoTokenizer
 
 from gen_helpers import hf_greedy
-from shardflow.cli import build_parser, main
-from shardflow.generate_cli import _rank_main, prepare
+from shardflow.cli.main import build_parser, main
+from shardflow.cli.generate import _rank_main, prepare
 from shardflow.parallel.world import World
 
 MESSAGES = [{"role": "user", "content": "Say hi"}]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from gen_helpers import hf_greedy, hf_logprobs, prompts
-from shardflow.engine.generate import Engine, EngineConfig
-from shardflow.engine.replicas import generate_replicated
-from shardflow.engine.requests import SamplingParams, make_requests
+from shardflow.engine.generate.engine import Engine, EngineConfig
+from shardflow.engine.generate.replicas import generate_replicated
+from shardflow.engine.generate.requests import SamplingParams, make_requests
 from shardflow.models.checkpoint import load_model
 from shardflow.parallel import comm
 from shardflow.parallel.layout import Layout

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from shardflow.batch import SequenceBatch
+from shardflow.data.batch import SequenceBatch
 from shardflow.engine.inference import infer
 from shardflow.models.checkpoint import load_model
 from shardflow.parallel.layout import Layout

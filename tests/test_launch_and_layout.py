@@ -7,11 +7,11 @@ import time
 import pytest
 import torch.distributed as dist
 
-from shardflow.models.config import ModelConfig
+from shardflow.config.model import ModelConfig
 from shardflow.models.tiny import tiny_hf_config
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import padded_vocab_size, shard_for, stage_layers
-from shardflow.runtime.launch import RankFailed, launch
+from shardflow.parallel.launch import RankFailed, launch
 
 
 def _rank_one_fails(world) -> None:

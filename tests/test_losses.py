@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from shardflow.batch import SequenceBatch
-from shardflow.config import AlgorithmConfig
+from shardflow.data.batch import SequenceBatch
+from shardflow.config.settings import AlgorithmConfig
 from shardflow.rl.losses import (ActorLoss, CriticLoss, actor_loss, aggregate, approx_kl, clipped_surrogate,
                                  clipped_value_loss, kl_penalty, normalizer_count)
 

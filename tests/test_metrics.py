@@ -74,7 +74,7 @@ def test_resumed_logger_drops_what_came_after_the_checkpoint(tmp_path):
 def test_iteration_summary_splits_generation_time():
     """A generate call's time is reported as setup, prefill and decode (the sum and the median
     step) of its slowest rank, under the call's name."""
-    from shardflow.config import load_config
+    from shardflow.config.settings import load_config
     from shardflow.plan.execution_plan import symmetric_plan
     from shardflow.rl.graphs import build_graph
     from shardflow.runtime.calls import CallReport

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from shardflow.models.checkpoint import load_model
-from shardflow.engine.forward import pipeline_forward
+from shardflow.engine.inference import hidden_states
 from shardflow.parallel import comm
 from shardflow.parallel.layout import Layout
 
@@ -51,7 +51,7 @@ def forward_job(world, path: str, layout_texts: list[str], ids: torch.Tensor):
         mine = ids[rows]
         positions = torch.arange(mine.shape[1]).expand_as(mine)
         with comm.count_collectives() as counts:
-            hidden = pipeline_forward(model, layout, world.rank, [(mine, positions)])
+            hidden = hidden_states(model, layout, world, [(mine, positions)])
             if not shard.last_stage:
                 continue
             [h] = hidden

@@ -8,12 +8,12 @@ import pytest
 import torch
 import yaml
 
-from shardflow.cli import main
-from shardflow.models.config import ModelConfig
+from shardflow.cli.main import main
+from shardflow.config.model import ModelConfig
 from shardflow.plan.execution_plan import ExecutionPlan
-from shardflow.plan.hardware import Cluster
-from shardflow.plan.profile import OpCosts, Profile
-from shardflow.plan.profiler import measure_links
+from shardflow.perf.hardware import Cluster
+from shardflow.perf.profile import OpCosts, Profile
+from shardflow.profiler.measure import measure_links
 from shardflow.rl.graph import Call, Graph, Kind
 from shardflow.rl.graphs import build_graph
 
@@ -44,7 +44,7 @@ def test_plan_command_writes_a_valid_plan_and_a_picture(experiment, tmp_path, ca
     for needle in ("actor_gen", "critic_train", "estimated iteration", "symmetric baseline", "heuristic baseline"):
         assert needle in text
     plan = ExecutionPlan.load(out / "plan.yaml")
-    from shardflow.config import load_config
+    from shardflow.config.settings import load_config
 
     config = load_config(experiment)
     models = {"actor": ModelConfig.from_pretrained(tmp_path / "policy"),
@@ -111,7 +111,8 @@ def test_profile_command_measures_a_small_shape(experiment, tmp_path, capsys):
 
 def test_profile_decodes_with_the_weights_the_engine_reads(tmp_path, monkeypatch):
     """--transposed-weights: the profiled decode layer reads transposed copies, as the engine does."""
-    from shardflow.models.transformer import Transformer
+    from shardflow.engine.generate import decode_weights
+    from shardflow.profiler import measure
 
     model = tmp_path / "m"
     model.mkdir()
@@ -119,13 +120,13 @@ def test_profile_decodes_with_the_weights_the_engine_reads(tmp_path, monkeypatch
                                                     "num_key_value_heads": 2, "intermediate_size": 128,
                                                     "vocab_size": 256, "num_hidden_layers": 2}))
     layouts = []
-    original = Transformer.make_decode_weights
+    original = decode_weights.make_decode_weights
 
-    def recording(self, transposed=False):
-        original(self, transposed)
-        layouts.append(self.decode_weights_layout)
+    def recording(model, transposed=False):
+        original(model, transposed)
+        layouts.append(decode_weights.decode_weights_layout(model))
 
-    monkeypatch.setattr(Transformer, "make_decode_weights", recording)
+    monkeypatch.setattr(measure, "make_decode_weights", recording)
     out = tmp_path / "profile.json"
     assert main(["profile", "--model", str(model), "--quick", "--tp", "1", "--ranks", "0", "--transposed-weights",
                  "--out", str(out)]) == 0

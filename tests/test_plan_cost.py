@@ -9,17 +9,18 @@ import numpy as np
 import pytest
 from planner_cases import llama, small_problem, tiny
 
-from shardflow.models.config import ModelConfig
+from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for
 from shardflow.plan import memory as mem
 from shardflow.plan.cost import CostModel
 from shardflow.plan.estimate import estimate
-from shardflow.plan.hardware import Cluster
+from shardflow.perf.hardware import Cluster
 from shardflow.plan.problem import Choice
-from shardflow.plan.profile import OpCosts, Profile, Table
-from shardflow.plan.transfer import realloc_seconds, received_bytes
+from shardflow.perf.profile import OpCosts, Profile, Table
+from shardflow.perf.transfer import realloc_seconds, received_bytes
 from shardflow.plan.workload import Workload
+from shardflow.engine.generate.decode_weights import make_decode_weights
 
 
 class LinearOps(OpCosts):
@@ -159,7 +160,7 @@ def test_profile_tables_interpolate_and_override_the_roofline(tmp_path):
     assert t(50, 10) == 1.0  # clamped below the first point
     cfg = llama()
     profile = Profile(device="test")
-    from shardflow.plan.profile import HeadProfile, LayerProfile, layer_key
+    from shardflow.perf.profile import HeadProfile, LayerProfile, layer_key
 
     flat = Table((1.0,), ((0.5,),), (1.0,))
     profile.layers[layer_key(cfg)] = {2: LayerProfile(forward=flat, backward=flat, decode=flat, optimizer_per_param=1e-9)}
@@ -194,7 +195,7 @@ def test_decode_copy_bytes_match_the_copies_the_model_makes(transposed):
     for cfg in (tiny("llama"), tiny("qwen3", tie_word_embeddings=True)):
         for tp in (1, 2):
             model = build_model(cfg, shard_for(cfg, Layout.contiguous(tp=tp), 0), None, "cpu", torch.bfloat16)
-            model.make_decode_weights(transposed)
+            make_decode_weights(model, transposed)
             copies = [m for layer in model.model.layers.values()
                       for m in (layer.self_attn.decode_qkv, layer.mlp.decode_gate_up, layer.self_attn.o_proj.decode_weight,
                                 layer.mlp.down_proj.decode_weight)] + [model.decode_head]

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from shardflow.models.checkpoint import load_model
-from shardflow.models.config import ModelConfig
+from shardflow.config.model import ModelConfig
 from shardflow.models.transformer import build_model
 from shardflow.parallel import comm
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.offload import has_storage
-from shardflow.parallel.realloc import reallocate, reallocate_model
+from shardflow.models.reallocate import reallocate_model
+from shardflow.parallel.realloc import reallocate
 from shardflow.parallel.realloc_plan import transfer_plan
 from shardflow.parallel.sharding import shard_for
 from shardflow.parallel.world import World

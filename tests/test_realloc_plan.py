@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardflow.models.config import ModelConfig, RopeConfig
+from shardflow.config.model import ModelConfig, RopeConfig
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.realloc_plan import transfer_plan
 from shardflow.parallel.sharding import check_layout, checkpoint_tensor_names, shard_for

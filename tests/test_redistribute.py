@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardflow.batch import SequenceBatch
+from shardflow.data.batch import SequenceBatch
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.redistribute import assign_shares, redistribute, redistribute_groups, source_holders
 from shardflow.parallel.world import World

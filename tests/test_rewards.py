@@ -7,8 +7,8 @@ import textwrap
 import pytest
 import torch
 
-from shardflow.batch import SequenceBatch
-from shardflow.config import RewardConfig
+from shardflow.data.batch import SequenceBatch
+from shardflow.config.settings import RewardConfig
 from shardflow.models.tiny import EOS_ID, char_tokenizer
 from shardflow.rl.rewards import (extract_answer, last_boxed, last_token_scores, load_reward_function,
                                   math_score, reward_function, score_batch)

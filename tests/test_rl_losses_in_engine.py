@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("shardflow.engine.train", reason="needs the training engine")
+pytest.importorskip("shardflow.engine.train.engine", reason="needs the training engine")
 train_reference = pytest.importorskip("train_reference", reason="needs the training-engine test helpers")
 
-from shardflow.engine.optimizer import OptimConfig  # noqa: E402
-from shardflow.engine.train import TrainEngine  # noqa: E402
+from shardflow.engine.train.optimizer import OptimConfig  # noqa: E402
+from shardflow.engine.train.engine import TrainEngine  # noqa: E402
 from shardflow.models.checkpoint import load_model  # noqa: E402
-from shardflow.models.config import ModelConfig  # noqa: E402
+from shardflow.config.model import ModelConfig  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.rl.losses import ActorLoss, CriticLoss  # noqa: E402
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from gen_helpers import hf_model, local_model
-from shardflow.engine.generate import Engine, EngineConfig
-from shardflow.engine.requests import SamplingParams, make_requests
-from shardflow.engine.sampling import (FILTER, GREEDY, SAMPLE, SamplingTensors, local_candidates, pick, sample,
+from shardflow.engine.generate.engine import Engine, EngineConfig
+from shardflow.engine.generate.requests import SamplingParams, make_requests
+from shardflow.engine.generate.sampling import (FILTER, GREEDY, SAMPLE, SamplingTensors, local_candidates, pick, sample,
                                        scaled_logits, truncation_mask, uniform_noise, unit_interval)
 
 P_MIN = 1e-3  # every distribution test below is deterministic (fixed seeds); a wrong sampler fails it

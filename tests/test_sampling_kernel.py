@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardflow.engine.sampling import (GREEDY, SAMPLE, SamplingTensors, gumbel_noise, local_candidates, noise_bits,
+from shardflow.engine.generate.sampling import (GREEDY, SAMPLE, SamplingTensors, gumbel_noise, local_candidates, noise_bits,
                                        pick, sample, scaled_logits, uniform_noise, unit_interval)
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from shardflow.engine import sampling_kernel as sk  # noqa: E402
+from shardflow.engine.generate import sampling_kernel as sk  # noqa: E402
 
 BLOCK = 64  # small blocks, so that a few hundred columns make several blocks and chunks
 

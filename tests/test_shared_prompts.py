@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from shardflow.batch import SequenceBatch
+from shardflow.data.batch import SequenceBatch
 from shardflow.engine.inference import infer
 from shardflow.engine.shared_prompts import (MIN_SAVING, SharedRow, group_by_prompt, make_shared_micro_batches,
                                             plan_micro_batches, split_rows)

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 
 def check_kernels() -> None:
-    from shardflow.parallel import token_stats as ts
+    from shardflow.models import token_stats as ts
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     g = torch.Generator().manual_seed(0)
@@ -53,7 +53,7 @@ def test_triton_kernels_match_torch_in_the_interpreter():
 def test_vocabulary_slices_combine_to_the_full_softmax():
     """Statistics of two column slices, combined as two tp ranks would (sums over the slices), give
     the log-probabilities and entropy of the whole vocabulary."""
-    from shardflow.parallel.token_stats import combine, local_stats_torch
+    from shardflow.models.token_stats import combine, local_stats_torch
 
     g = torch.Generator().manual_seed(1)
     x = 3 * torch.randn(6, 20, generator=g)

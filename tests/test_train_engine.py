@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from shardflow.engine.micro_batches import split_by_tokens
-from shardflow.engine.optimizer import OptimConfig
-from shardflow.engine.train import TrainEngine
+from shardflow.engine.train.optimizer import OptimConfig
+from shardflow.engine.train.engine import TrainEngine
 from shardflow.models.checkpoint import load_model
-from shardflow.models.config import ModelConfig
+from shardflow.config.model import ModelConfig
 from shardflow.parallel import comm
 from shardflow.parallel.layout import Layout
 

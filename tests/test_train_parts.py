@@ -10,13 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardflow.batch import SequenceBatch
+from shardflow.data.batch import SequenceBatch
 from shardflow.engine.micro_batches import split_by_tokens
-from shardflow.engine.optimizer import AdamW, OptimConfig, lr_at
-from shardflow.engine.train import TrainEngine
+from shardflow.engine.train.optimizer import AdamW, OptimConfig, lr_at
+from shardflow.engine.train.engine import TrainEngine
 from shardflow.models.checkpoint import load_model
 from shardflow.parallel.layout import Layout
-from shardflow.parallel.token_stats import token_logprobs_and_entropy
+from shardflow.models.token_stats import token_logprobs_and_entropy
 from shardflow.parallel.world import World
 
 from train_reference import TokenLoss, make_batch

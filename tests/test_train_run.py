@@ -13,13 +13,13 @@ import torch
 import transformers
 import yaml
 
-from shardflow.cli import main
-from shardflow.config import load_config
+from shardflow.cli.main import main
+from shardflow.config.settings import load_config
 from shardflow.examples.arithmetic import example_config
 
 
 def train_job(world, raw: dict, overrides: list[str]):
-    from shardflow.runtime.checks import prepare
+    from shardflow.runtime.validate import prepare
     from shardflow.runtime.driver import train_rank
 
     train_rank(world, prepare(load_config(None, overrides, base=raw)))

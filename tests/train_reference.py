@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shardflow.batch import SequenceBatch
-from shardflow.engine.optimizer import OptimConfig, lr_at
-from shardflow.models.config import ModelConfig
+from shardflow.data.batch import SequenceBatch
+from shardflow.engine.train.optimizer import OptimConfig, lr_at
+from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for
 

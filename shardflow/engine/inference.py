@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from shardflow.batch import SequenceBatch
+from shardflow.data.batch import SequenceBatch
 from shardflow.engine.outputs import check_outputs, token_outputs
 from shardflow.engine.pipeline import StageLinks, forward_only
 from shardflow.engine.shared_prompts import plan_micro_batches
@@ -69,3 +69,27 @@ def infer(model: Transformer, layout: Layout, world: World, batch: SequenceBatch
         out[torch.cat(rows).to(device)] = torch.cat(results)
     target = batch.token_fields["input_ids"].device
     return batch.update(token_fields={what: out.to(target)})
+
+
+@torch.no_grad()
+def hidden_states(model: Transformer, layout: Layout, world: World,
+                  micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor] | None:
+    """The last stage's hidden states [B,T,H] for each micro-batch of (ids [B,T], positions [B,T])
+    through this rank's pipeline; None off the last stage. Every rank of the replica passes the
+    same shapes (the layout's pipeline groups must exist)."""
+    shard = model.shard
+    param = next(iter(model.parameters()))
+    outputs: list[torch.Tensor] = []
+
+    def forward_step(i: int, x: torch.Tensor | None) -> torch.Tensor | None:
+        ids, positions = (t.to(param.device) for t in micro_batches[i])
+        hidden = model(ids if shard.first_stage else x, positions)
+        if not shard.last_stage:
+            return hidden
+        outputs.append(hidden)
+        return None
+
+    shapes = [(*ids.shape, model.cfg.hidden_size) for ids, _ in micro_batches]
+    pp_group = world.groups.get(layout.pp_group(world.rank))
+    forward_only(StageLinks.of(layout, world.rank, pp_group, shapes, param.dtype, param.device), forward_step)
+    return outputs if shard.last_stage else None

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from shardflow.batch import SequenceBatch
+from shardflow.data.batch import SequenceBatch
 from shardflow.models.packed_attention import PackedSequences
 
 

@@ -17,16 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from shardflow.batch import SequenceBatch
+from shardflow.data.batch import SequenceBatch
 from shardflow.engine.micro_batches import MicroBatch, make_micro_batches, split_by_tokens, wanted_outputs
 from shardflow.models.packed_attention import PackedSequences
+from shardflow.perf.sharing import MIN_SAVING
 
 
-# Packed rows pay for the tokens they save with slower attention (the key gather, and on GPUs flash
-# attention's variable-length kernel, slower than cuDNN's: about twice the padded rows' attention
-# time per layer on an H200): below this share of the padded rows' tokens saved, they are not used
-# (BENCHMARKS.md, "Shared prompts in inference and training").
-MIN_SAVING = 0.05
 
 
 def plan_micro_batches(batch: SequenceBatch, max_tokens: int, device: torch.device, *, min_micro_batches: int = 1,

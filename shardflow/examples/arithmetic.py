@@ -18,6 +18,11 @@ from typing import Any
 
 import torch
 import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shardflow.config.settings import DataConfig
+from shardflow.data.prompts import load_prompts
+from shardflow.models.tiny import char_tokenizer, make_tiny_checkpoint
 
 DATA_DIR = Path(__file__).parent / "data"
 TASK_FILE = DATA_DIR / "arithmetic.jsonl"
@@ -40,8 +45,6 @@ def problems(max_operand: int = MAX_OPERAND) -> list[dict[str, str]]:
 
 def write_task(data_dir: Path = DATA_DIR) -> None:
     """Write the task file and the tokenizer files (what ``examples/make_task.py`` runs)."""
-    from shardflow.models.tiny import char_tokenizer
-
     data_dir.mkdir(parents=True, exist_ok=True)
     with (data_dir / TASK_FILE.name).open("w") as f:
         for row in problems():
@@ -52,12 +55,6 @@ def write_task(data_dir: Path = DATA_DIR) -> None:
 def make_start_checkpoint(path: str | Path, *, steps: int = WARMUP_STEPS, seed: int = 0) -> Path:
     """A random tiny Llama after ``steps`` supervised steps on the task, written to ``path`` as a
     Hugging Face checkpoint with the tokenizer. Made once: an existing checkpoint is kept."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from shardflow.config import DataConfig
-    from shardflow.data.prompts import load_prompts
-    from shardflow.models.tiny import make_tiny_checkpoint
-
     path = Path(path)
     if (path / "config.json").is_file():
         return path

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shardflow.models.config import ModelConfig
+from shardflow.config.model import ModelConfig
+from shardflow.models.transformer import build_model
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import RankShard, TensorShard, checkpoint_tensor_names, shard_for
 
@@ -211,8 +212,6 @@ def load_model(path: str | Path, layout: Layout, world, dtype: torch.dtype = tor
 
     Returns ``(model, shard)``. The layout's groups must exist (``world.create_groups``).
     """
-    from shardflow.models.transformer import build_model
-
     cfg = cfg or ModelConfig.from_pretrained(path)
     shard = shard_for(cfg, layout, world.rank)
     model = build_model(cfg, shard, world.groups.get(layout.tp_group(world.rank)), world.device, dtype)

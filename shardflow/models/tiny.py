@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -34,9 +37,6 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 def char_tokenizer():
     """A character-level fast tokenizer: the specials, then printable ASCII, one id each."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
     vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS) + chars)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
@@ -51,8 +51,6 @@ def char_tokenizer():
 
 def tiny_hf_config(family: str = "llama", *, value_head: bool = False, **overrides: Any):
     """A small transformers config of the family (``llama3`` = Llama with llama3 rope scaling)."""
-    import transformers
-
     if family not in FAMILIES:
         raise ValueError(f"unknown tiny family {family!r}; known: {', '.join(FAMILIES)}")
     class_name, extra = FAMILIES[family]
@@ -76,8 +74,6 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", *, seed: int =
                          with_tokenizer: bool = True, max_shard_size: str | None = None,
                          **overrides: Any) -> Path:
     """Write a random tiny checkpoint (float32) to ``path``; returns the path."""
-    import transformers
-
     path = Path(path)
     config = tiny_hf_config(family, value_head=value_head, **overrides)
     torch.manual_seed(seed)

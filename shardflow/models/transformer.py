@@ -11,6 +11,7 @@ V local vocabulary rows.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Callable
 
@@ -20,13 +21,36 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
-from shardflow.models.config import ModelConfig, rope_inv_freq
-from shardflow.models.decode_weights import DecodeWeight, set_decode_weight
+from shardflow.config.model import ModelConfig, RopeConfig
 from shardflow.models.packed_attention import PackedSequences, packed_attention
+from shardflow.models.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
+from shardflow.models.token_stats import token_logprobs_and_entropy
 from shardflow.parallel.comm import copy_to_tp
 from shardflow.parallel.sharding import RankShard
-from shardflow.parallel.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
-from shardflow.parallel.token_stats import token_logprobs_and_entropy
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, per the rope type."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.type == "linear":
+        return inv_freq / rope.factor
+    if rope.type == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate between.
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+# A product that forward passes without gradients run instead of the module's own weights: the
+# generation engine installs copies laid out for decoding (``engine.generate.decode_weights``).
+Product = Callable[[torch.Tensor], torch.Tensor]
 
 # attend(layer_index, q [B,h,T,d], k [B,k,T,d], v [B,k,T,d]) -> [B,h,T,d]. The generation engine
 # passes one that reads and writes its KV cache; None means plain causal self-attention.
@@ -79,7 +103,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.decode_qkv: DecodeWeight | None = None  # see Transformer.make_decode_weights
+        self.decode_qkv: Product | None = None  # q/k/v in one product, for no-grad forwards
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn | None,
                 packed: PackedSequences | None = None) -> torch.Tensor:
@@ -119,7 +143,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(H, inter, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(H, inter, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(inter, H, cfg.mlp_bias, group)
-        self.decode_gate_up: DecodeWeight | None = None  # see Transformer.make_decode_weights
+        self.decode_gate_up: Product | None = None  # gate/up in one product, for no-grad forwards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.group)
@@ -173,7 +197,7 @@ class Transformer(nn.Module):
             elif "lm_head.weight" in shard.tensors:
                 self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
-        self.decode_head: DecodeWeight | None = None  # see make_decode_weights
+        self.decode_head: Product | None = None  # the LM head's product, for no-grad forwards
         # Real (unpadded) vocabulary rows held here; logits past them are masked to -inf.
         self.real_vocab = max(0, min(shard.vocab_size, cfg.vocab_size - shard.vocab_start))
 
@@ -244,44 +268,6 @@ class Transformer(nn.Module):
             self.zero_grad(set_to_none=True)
         self._compiled_layer = compiled
         return True
-
-    @torch.no_grad()
-    def make_decode_weights(self, transposed: bool = False) -> None:
-        """Make (or refresh in place) the copies that forward passes without gradients read: the
-        q/k/v and gate/up weights concatenated, and with ``transposed`` every decode product's
-        weight stored [in, out] (see ``models.decode_weights``). Call again after the weights
-        change; CUDA graphs captured over the copies stay valid while the layout stays."""
-        def params(*linears: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-            biases = [m.bias for m in linears] if linears[0].bias is not None else None
-            return [m.weight for m in linears], biases
-
-        for layer in self.model.layers.values():
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.decode_qkv = set_decode_weight(attn.decode_qkv, *params(attn.q_proj, attn.k_proj, attn.v_proj),
-                                                transposed)
-            mlp.decode_gate_up = set_decode_weight(mlp.decode_gate_up, *params(mlp.gate_proj, mlp.up_proj), transposed)
-            for row in (attn.o_proj, mlp.down_proj):  # their bias is added after the tp all-reduce
-                row.decode_weight = set_decode_weight(row.decode_weight, [row.weight], None, True) if transposed else None
-        if self.shard.last_stage and self.score is None:
-            self.decode_head = (set_decode_weight(self.decode_head, [self.head_weight()], None, True)
-                                if transposed else None)
-
-    def refresh_decode_weights(self) -> None:
-        """Rewrite the decode copies from the current weights, in place (a no-op without copies)."""
-        if self.decode_weights_layout is not None:
-            self.make_decode_weights(self.decode_weights_layout == "transposed")
-
-    def drop_decode_weights(self) -> None:
-        for layer in self.model.layers.values():
-            layer.self_attn.decode_qkv = layer.mlp.decode_gate_up = None
-            layer.self_attn.o_proj.decode_weight = layer.mlp.down_proj.decode_weight = None
-        self.decode_head = None
-
-    @property
-    def decode_weights_layout(self) -> str | None:
-        """None without decode copies, else "transposed" or "concatenated"."""
-        first = next((layer.self_attn.decode_qkv for layer in self.model.layers.values()), None)
-        return None if first is None else "transposed" if first.transposed else "concatenated"
 
     # ----- heads (last stage) -----------------------------------------------------------
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from shardflow.models.config import ModelConfig
+from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import TensorShard, check_layout, shard_for
 

@@ -22,7 +22,7 @@ from typing import Any, Hashable, Sequence
 import torch
 import torch.distributed as dist
 
-from shardflow.batch import SequenceBatch
+from shardflow.data.batch import SequenceBatch
 from shardflow.parallel import comm
 from shardflow.parallel.layout import Layout
 

@@ -20,12 +20,12 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from shardflow.engine.decode_attention import PROMPT_ROWS
-from shardflow.models.config import ModelConfig
+from shardflow.perf.sharing import PROMPT_ROWS
+from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout
-from shardflow.plan.hardware import Cluster
+from shardflow.perf.hardware import Cluster
 from shardflow.plan.memory import Precision, rank_params, stage_layer_count
-from shardflow.plan.profile import OpCosts
+from shardflow.perf.profile import OpCosts
 from shardflow.plan.workload import Workload
 
 
@@ -115,7 +115,7 @@ class CostModel:
 
     def _read_context(self, cfg: ModelConfig, context: float, batch: int, slots: int) -> float:
         """KV positions decode attention reads per row at a mean ``context``. With
-        ``share_prompt_kv`` (the engine's decode attention, ``engine.decode_attention``) a prompt's
+        ``share_prompt_kv`` (the engine's decode attention, ``engine.generate.decode_attention``) a prompt's
         samples form groups of at most PROMPT_ROWS rows, and each group reads the prompt once while
         any of its rows is live; rows are taken to leave independently, a fraction batch / slots
         still live. Decode attention is bandwidth-bound, so its cost follows the positions read.

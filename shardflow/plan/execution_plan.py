@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from shardflow.models.config import ModelConfig
+from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout, split_replicas
 from shardflow.parallel.sharding import check_layout
 from shardflow.rl.graph import Graph, Kind

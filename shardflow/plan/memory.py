@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple, Union
 
-from shardflow.models.config import ModelConfig
+from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for, stage_layers
-from shardflow.plan.roofline import head_shape, layer_shape
+from shardflow.perf.roofline import head_shape, layer_shape
 
 
 class Shape(NamedTuple):
@@ -70,7 +70,7 @@ def weight_bytes(cfg: ModelConfig, layout: AnyLayout, p: Precision) -> float:
 
 
 def decode_copy_bytes(cfg: ModelConfig, tp: int, p: Precision, transposed: bool) -> float:
-    """The copies of its weights a generating rank decodes from on GPUs (``models.decode_weights``):
+    """The copies of its weights a generating rank decodes from on GPUs (``engine.generate.decode_weights``):
     q/k/v and gate/up concatenated; with ``transposed`` also o, down and the LM head (biases left out)."""
     s = layer_shape(cfg, tp)
     per_layer = (s.q_dim + 2 * s.kv_dim + 2 * s.inter) * s.hidden

@@ -7,13 +7,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardflow.config import ExperimentConfig
-from shardflow.models.config import ModelConfig
+from shardflow.config.settings import ExperimentConfig
+from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout
 from shardflow.plan.cost import CostModel
-from shardflow.plan.hardware import Cluster
+from shardflow.perf.hardware import Cluster
 from shardflow.plan.memory import AnyLayout, Precision
-from shardflow.plan.profile import OpCosts, Profile
+from shardflow.perf.profile import OpCosts, Profile
 from shardflow.plan.workload import Workload, workload_from_config
 from shardflow.rl.graph import Call, Graph, Kind
 from shardflow.rl.graphs import build_graph

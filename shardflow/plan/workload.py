@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from statistics import NormalDist
 
-from shardflow.config import ExperimentConfig
-from shardflow.engine.shared_prompts import MIN_SAVING
+from shardflow.config.settings import ExperimentConfig
+from shardflow.perf.sharing import MIN_SAVING
 
 
 @dataclass(frozen=True, kw_only=True)

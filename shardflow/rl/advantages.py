@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from shardflow.batch import SequenceBatch
-from shardflow.config import AlgorithmConfig
+from shardflow.data.batch import SequenceBatch
+from shardflow.config.settings import AlgorithmConfig
 from shardflow.rl.losses import kl_penalty
 
 

@@ -11,7 +11,7 @@ Advantages and returns are computed at the start of each train call from these k
 
 from __future__ import annotations
 
-from shardflow.config import ExperimentConfig
+from shardflow.config.settings import ExperimentConfig
 from shardflow.rl.graph import Call, Graph, Kind
 
 

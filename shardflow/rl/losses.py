@@ -11,7 +11,7 @@ of the global batch. That needs one global count, the ``normalizer``:
   seq-mean-token-sum    sum over sequences of (sum over its response tokens) / sequences in the step
 
 ``ActorLoss.normalizer`` / ``CriticLoss.normalizer`` give a batch's part of that count (the
-``LossFn`` protocol of ``shardflow.engine.loss_fn``); the engine sums it over the DP replicas.
+``LossFn`` protocol of ``shardflow.engine.train.loss_fn``); the engine sums it over the DP replicas.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shardflow.batch import SequenceBatch
-from shardflow.config import AlgorithmConfig
+from shardflow.data.batch import SequenceBatch
+from shardflow.config.settings import AlgorithmConfig
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")

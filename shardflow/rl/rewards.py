@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 import torch
 
-from shardflow.batch import SequenceBatch
-from shardflow.config import RewardConfig
+from shardflow.data.batch import SequenceBatch
+from shardflow.config.settings import RewardConfig
 
 RewardFn = Callable[[list[str], list[str], list[Any]], list[float]]
 

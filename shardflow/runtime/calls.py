@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from shardflow.batch import SequenceBatch
-from shardflow.config import ExperimentConfig
+from shardflow.config.settings import ExperimentConfig
+from shardflow.data.batch import SequenceBatch
 from shardflow.data.prompts import Prompt
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
-from shardflow.engine.generate import Engine, EngineConfig, GenerationStats
+from shardflow.engine.generate.engine import Engine, EngineConfig, GenerationStats
+from shardflow.engine.generate.replicas import replica_share
+from shardflow.engine.generate.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
 from shardflow.engine.inference import infer
-from shardflow.engine.replicas import replica_share
-from shardflow.engine.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
 from shardflow.models.transformer import Transformer
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.redistribute import redistribute, redistribute_groups, source_holders

@@ -20,23 +20,40 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
+from shardflow.data.prompts import PromptSampler, load_prompts
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
-from shardflow.engine.adaptive.setup import adaptive_generator
-from shardflow.engine.generate import Engine
-from shardflow.engine.optimizer import OptimConfig as EngineOptim
+from shardflow.engine.adaptive.trace import GenerationTrace, plot_trace
+from shardflow.engine.generate.engine import Engine
+from shardflow.engine.train.optimizer import OptimConfig as EngineOptim
 from shardflow.models.checkpoint import save_checkpoint
+from shardflow.parallel.world import World
 from shardflow.rl.advantages import KLController
 from shardflow.rl.graph import Kind
 from shardflow.rl.rewards import reward_function
 from shardflow.runtime import checkpointing
-from shardflow.runtime.calls import (CallReport, Held, communication_groups, engine_config, is_holder, join,
-                                     push_outputs, rollout_lists, run_generate, run_generate_adaptive,
-                                     run_inference, run_reward_function, run_train)
-from shardflow.runtime.checks import Prepared
+from shardflow.runtime.adaptive import adaptive_generator
+from shardflow.runtime.calls import (
+    CallReport,
+    Held,
+    communication_groups,
+    engine_config,
+    is_holder,
+    join,
+    push_outputs,
+    rollout_lists,
+    run_generate,
+    run_generate_adaptive,
+    run_inference,
+    run_reward_function,
+    run_train,
+)
+from shardflow.runtime.metrics import MetricsLogger, format_line
 from shardflow.runtime.models import ModelSlot
+from shardflow.runtime.pictures import draw_generation, draw_timeline
 from shardflow.runtime.report import merge_reports
-from shardflow.parallel.world import World
+from shardflow.runtime.validate import Prepared
 
 
 def engine_optim(config, role: str, updates: int):
@@ -56,10 +73,6 @@ class Run:
     """One rank's view of a training run."""
 
     def __init__(self, world: World, prepared: Prepared):
-        from transformers import AutoTokenizer
-
-        from shardflow.data.prompts import PromptSampler, load_prompts
-
         self.world, self.prepared = world, prepared
         self.config, self.graph, self.plan = prepared.config, prepared.graph, prepared.plan
         config = self.config
@@ -218,10 +231,6 @@ class Run:
 
 
 def train_rank(world: World, prepared: Prepared) -> None:
-    from shardflow.runtime.metrics import MetricsLogger, format_line
-    from shardflow.engine.adaptive.trace import GenerationTrace, plot_trace
-    from shardflow.runtime.pictures import draw_generation, draw_timeline
-
     run = Run(world, prepared)
     config = run.config
     logger = None

@@ -18,7 +18,6 @@ from typing import Any, TextIO
 
 import torch
 
-
 # keys shown first on the console, with a short label; the rest follow in sorted order
 CONSOLE_FIRST = (
     ("reward/mean", "reward"), ("reward/std", "±"), ("response_length/mean", "len"),

@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardflow.config import ModelSpec
-from shardflow.engine.optimizer import OptimConfig
-from shardflow.engine.train import TrainEngine
+from shardflow.config.model import ModelConfig
+from shardflow.config.settings import ModelSpec
+from shardflow.engine.train.engine import TrainEngine
+from shardflow.engine.train.optimizer import OptimConfig
 from shardflow.models.checkpoint import load_model
-from shardflow.models.config import ModelConfig
+from shardflow.models.reallocate import reallocate_model
 from shardflow.models.transformer import Transformer
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.offload import HostOffload, release_storage
-from shardflow.parallel.realloc import reallocate_model
 from shardflow.parallel.world import World
 
 

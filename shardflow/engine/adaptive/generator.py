@@ -38,22 +38,23 @@ from shardflow.engine.adaptive.kv_migration import (KV_MODES, MIGRATE, clean_slo
 from shardflow.engine.adaptive.length_predictor import LengthPredictor
 from shardflow.engine.adaptive.merge import nests, plan_merge
 from shardflow.engine.adaptive.reshard import allocated_model, refill, view_model
-from shardflow.engine.adaptive.step_time import Hardware, RooflineStepTime, StepTimeModel
+from shardflow.perf.step_time import Hardware, RooflineStepTime, StepTimeModel
 from shardflow.engine.adaptive.switch_cost import CostParams, SwitchCostModel
 from shardflow.engine.adaptive.switch_policy import (Decider, Decision, Loads, PolicyConfig, bucket_edges,
                                                      bucket_sums)
 from shardflow.engine.adaptive.trace import GenerationTrace, Refusal, SwitchRecord
-from shardflow.engine.generate import Engine, EngineConfig
-from shardflow.engine.kv_cache import bytes_per_slot
-from shardflow.engine.replicas import fill_results, replica_share, result_states
-from shardflow.engine.requests import Request
-from shardflow.engine.sampling import batch_mode
+from shardflow.engine.generate.engine import Engine, EngineConfig
+from shardflow.engine.generate.kv_cache import bytes_per_slot
+from shardflow.engine.generate.replicas import fill_results, replica_share, result_states
+from shardflow.engine.generate.requests import Request
+from shardflow.engine.generate.sampling import batch_mode
 from shardflow.models.transformer import Transformer
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.offload import regrow_storage, release_storage
 from shardflow.parallel.realloc_plan import transfer_plan
 from shardflow.parallel.sharding import check_layout, shard_for
 from shardflow.parallel.world import World
+from shardflow.engine.generate.decode_weights import make_decode_weights, refresh_decode_weights
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class AdaptiveGenerator:
         self._ensure_cache()
         for layout, model in self.models.items():  # the weights may have changed since the last generation
             if layout not in self.weight_bytes:
-                model.refresh_decode_weights()  # in place: captured graphs stay valid
+                refresh_decode_weights(model)  # in place: captured graphs stay valid
         self._refresh_graphs()
         max_new = max((r.params.max_new_tokens for r in requests), default=1)
         decider = self._decider(max_new) if rank == self.decider_rank and schedule is None else None
@@ -326,7 +327,7 @@ class AdaptiveGenerator:
 
         if target in self.weight_bytes:  # does not nest: the start model's weights, reallocated
             refill(self.world, cfg, self.models[self.chain[0]], target, self.models[target])
-            self.models[target].refresh_decode_weights()
+            refresh_decode_weights(self.models[target])
         t1 = time.perf_counter()
 
         active, waiting = old.detach(finished)
@@ -461,7 +462,7 @@ class AdaptiveGenerator:
         transposed = self._engine_config.transposed_weights
         if self.device.type == "cuda" or transposed:
             for layout in self.chain[1:]:
-                self.models[layout].make_decode_weights(transposed)
+                make_decode_weights(self.models[layout], transposed)
 
     def _heads(self, layout: Layout) -> int:
         return shard_for(self.cfg, layout, self.world.rank).num_kv_heads

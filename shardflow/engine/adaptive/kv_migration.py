@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from shardflow.engine.adaptive.merge import Merge
-from shardflow.engine.kv_cache import KVCache
-from shardflow.engine.requests import Request
-from shardflow.models.config import ModelConfig
+from shardflow.engine.generate.kv_cache import KVCache
+from shardflow.engine.generate.requests import Request
+from shardflow.config.model import ModelConfig
 from shardflow.parallel import comm
 from shardflow.parallel.sharding import shard_for
 

@@ -20,10 +20,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardflow.engine.adaptive.merge import narrow_offset, nests
-from shardflow.models.config import ModelConfig
+from shardflow.config.model import ModelConfig
 from shardflow.models.transformer import Transformer, build_model
 from shardflow.parallel.layout import Layout
-from shardflow.parallel.realloc import ReallocStats, reallocate_model
+from shardflow.models.reallocate import reallocate_model
+from shardflow.parallel.realloc import ReallocStats
 from shardflow.parallel.sharding import shard_for
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from shardflow.engine.adaptive.kv_migration import regroup_factor
 from shardflow.engine.adaptive.merge import plan_merge
-from shardflow.engine.adaptive.step_time import StepTimeModel
+from shardflow.perf.step_time import StepTimeModel
 from shardflow.engine.adaptive.switch_cost import SwitchCostModel
 from shardflow.engine.adaptive.switch_policy import Decider, Loads, bucket_edges, bucket_sums
 from shardflow.parallel.layout import Layout

@@ -20,8 +20,8 @@ from typing import Sequence
 
 from shardflow.engine.adaptive.kv_migration import MIGRATE, RECOMPUTE, keeps_own
 from shardflow.engine.adaptive.merge import Merge
-from shardflow.engine.adaptive.step_time import Hardware, StepTimeModel
-from shardflow.models.config import ModelConfig
+from shardflow.perf.step_time import Hardware, StepTimeModel
+from shardflow.config.model import ModelConfig
 from shardflow.parallel.sharding import shard_for
 
 

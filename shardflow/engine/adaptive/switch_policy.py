@@ -31,9 +31,9 @@ import numpy as np
 from shardflow.engine.adaptive.kv_migration import KV_MODES, fit_problem
 from shardflow.engine.adaptive.length_predictor import LengthPredictor
 from shardflow.engine.adaptive.merge import Merge, plan_merge
-from shardflow.engine.adaptive.step_time import StepTimeModel
+from shardflow.perf.step_time import StepTimeModel
 from shardflow.engine.adaptive.switch_cost import SwitchCost, SwitchCostModel
-from shardflow.models.config import ModelConfig
+from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout
 
 # cost(merge, active [R], context [R], now) -> cost of switching with that many requests of that

@@ -1,0 +1,315 @@
+"""Attention of one new token per request over its slot of the KV cache.
+
+Two implementations with the same contract:
+
+- ``decode_attention_torch``: plain torch (gathers each row's slot and masks past its length);
+  runs anywhere, and is the reference.
+- ``decode_attention_triton``: a split-K Triton kernel for the GPU. Each program takes one
+  (request, KV head, split) and reads only that request's valid positions, through its slot index,
+  for all the query heads sharing the KV head (GQA); a second small kernel merges the splits with
+  their log-sum-exp (with one split, the first kernel writes the output itself). The split count
+  depends only on the batch size, so a CUDA graph captured for
+  a batch size stays valid while lengths grow; each split's range is computed in the kernel from
+  the request's current length. Optionally (``prompts``), the samples of one prompt read the
+  prompt's positions once: a first kernel computes, per group of rows, the online-softmax state of
+  all their query heads over the prompt from one row's copy, and the split kernel continues from
+  it over each row's own positions. Tested on CPU with ``TRITON_INTERPRET=1``.
+
+Shapes: B requests, H local query heads, K local KV heads, S cache slots, M max length, d head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from shardflow.perf.sharing import PROMPT_ROWS
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the plain path needs no Triton
+    triton = None
+
+# Positions per inner step, warps, pipeline stages: one setting for all shapes, within 3% of the
+# best of a sweep (bench/decode_profile.py --sweep, H200, LLaMA-3.1-8B and Qwen3-1.7B shapes,
+# contexts 320-8K) at batch 1, 64 and 256, and 13% at batch 16 x 1K (see BENCHMARKS.md).
+BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 4, 2
+# Programs resident on an SM at these settings (two stages of a 64 x 128 K and V tile in bf16 take
+# 64 KB of its 228 KB of shared memory): the splits fill one wave of them, and no more.
+PROGRAMS_PER_SM = 3
+MAX_SPLITS = 32
+
+
+def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                           lengths: torch.Tensor, window: int | None,
+                           prompts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q [B,H,d]; caches [S,K,M,d]; slots, lengths [B] -> [B,H,d].
+
+    Row b attends to positions [max(0, lengths[b] - window), lengths[b]) of slot ``slots[b]``.
+    ``prompts`` (see ``decode_attention_triton``) changes which copy of a shared prompt is read,
+    not the result; this path reads every row's own.
+    """
+    k, v = k_cache[slots], v_cache[slots]  # [B,K,M,d]
+    pos = torch.arange(k.shape[2], device=q.device)
+    valid = pos[None, :] < lengths[:, None]  # [B,M]
+    if window is not None:
+        valid &= pos[None, :] >= lengths[:, None] - window
+    gqa = True if q.shape[1] != k.shape[1] else False  # a bool, not a SymBool, under torch.compile
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid[:, None, None, :], enable_gqa=gqa)
+    return out[:, :, 0]
+
+
+def num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM,
+               block: int = BLOCK_N) -> int:
+    """Splits of each request's positions: as many as fit ``programs_per_sm`` programs per SM in
+    one wave. More splits add partial results to merge and a ragged last wave; a batch that fills
+    the GPU by itself (requests x KV heads >= resident programs) takes one split and no merge."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    fit = programs_per_sm * sms // max(1, batch * kv_heads)
+    return max(1, min(fit, MAX_SPLITS, math.ceil(max_len / block)))
+
+
+if triton is not None:
+
+    @triton.jit
+    def attend_positions(q, k_base, v_base, stride_kt, stride_vt, lo, hi, m_i, l_i, acc, scale_log2,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """Online softmax of the query rows ``q`` [rows, BLOCK_D] over positions [lo, hi) of one
+        slot's KV head: the running max ``m_i``, sum ``l_i`` and unnormalised output ``acc``,
+        updated BLOCK positions at a time."""
+        offs_n = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        for n0 in range(lo, hi, BLOCK):
+            pos = n0 + offs_n
+            mask_n = pos < hi
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(k_base + pos[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [rows, BLOCK]
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + pos[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _prompt_kernel(Q, K, V, Slots, Groups, Prompt, Acc, Max, Sum, batch,
+                       stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
+                       stride_sb, stride_sh, stride_mb, scale_log2,
+                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """Program (window of ROWS rows, KV head): for each row b of the window that leads a run of
+        rows of one group (see ``decode_attention_triton``), the online-softmax state of the run's
+        rows x GROUP query heads over the group's shared prompt positions, read once from b's slot.
+        A program per window rather than per row: most rows lead nothing, and empty programs are
+        not free (one per row cost ~7 us per call on the GRPO shape, an H200)."""
+        w = tl.program_id(0)
+        kvh = tl.program_id(1)
+        offs_q = tl.arange(0, BLOCK_Q)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        heads = kvh * GROUP + offs_q % GROUP
+        for i in range(ROWS):
+            b = tl.minimum(w * ROWS + i, batch - 1)  # past the batch: the last row again, which leads nothing
+            group = tl.load(Groups + b)
+            prompt = tl.load(Prompt + b).to(tl.int32)
+            before = tl.load(Groups + tl.maximum(b - 1, 0))
+            if (prompt > 0) & ((b == 0) | (before != group)) & (w * ROWS + i < batch):
+                rows = b + offs_q // GROUP
+                in_run = (offs_q < ROWS * GROUP) & (rows < batch)
+                in_run = in_run & (tl.load(Groups + rows, mask=in_run, other=-1) == group)
+                q = tl.load(Q + rows[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                            mask=in_run[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_Q, BLOCK_D]
+                if UPCAST:
+                    q = q.to(tl.float32)
+                slot = tl.load(Slots + b).to(tl.int64)
+                k_base = K + slot * stride_ks + kvh * stride_kh
+                v_base = V + slot * stride_vs + kvh * stride_vh
+                m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+                l_i = tl.zeros([BLOCK_Q], tl.float32)
+                acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+                m_i, l_i, acc = attend_positions(q, k_base, v_base, stride_kt, stride_vt, 0, prompt, m_i, l_i, acc,
+                                                 scale_log2, HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST)
+                tl.store(Acc + rows[:, None] * stride_sb + heads[:, None] * stride_sh + offs_d[None, :], acc,
+                         mask=in_run[:, None] & mask_d[None, :])
+                tl.store(Max + rows * stride_mb + heads, m_i, mask=in_run)
+                tl.store(Sum + rows * stride_mb + heads, l_i, mask=in_run)
+
+    @triton.jit
+    def _split_kernel(Q, K, V, Slots, Lengths, Acc, Max, Sum, Out, Prompt, PromptAcc, PromptMax, PromptSum,
+                      stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
+                      stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
+                      stride_sb, stride_sh, stride_pmb, scale_log2, window,
+                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, SHARED: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        slot = tl.load(Slots + b).to(tl.int64)
+        length = tl.load(Lengths + b).to(tl.int32)
+        start = length * 0
+        if window > 0:
+            start = tl.maximum(length - window, 0)
+        if SHARED:  # the prompt's positions are in the state _prompt_kernel left
+            prompt = tl.load(Prompt + b).to(tl.int32)
+            start = tl.maximum(start, prompt)
+        chunk = tl.cdiv(tl.cdiv(length - start, SPLITS), BLOCK) * BLOCK
+        lo = start + split * chunk
+        hi = tl.minimum(lo + chunk, length)
+
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_h = offs_h < GROUP
+        mask_d = offs_d < HEAD_DIM
+        heads = kvh * GROUP + offs_h
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+        if UPCAST:
+            q = q.to(tl.float32)
+        k_base = K + slot * stride_ks + kvh * stride_kh
+        v_base = V + slot * stride_vs + kvh * stride_vh
+
+        if SHARED:  # the first split starts from the prompt's state (empty for rows without one)
+            has = mask_h & (offs_h * 0 + tl.where((prompt > 0) & (split == 0), 1, 0) > 0)
+            m_i = tl.load(PromptMax + b * stride_pmb + heads, mask=has, other=float("-inf"))
+            l_i = tl.load(PromptSum + b * stride_pmb + heads, mask=has, other=0.0)
+            acc = tl.load(PromptAcc + b * stride_sb + heads[:, None] * stride_sh + offs_d[None, :],
+                          mask=has[:, None] & mask_d[None, :], other=0.0)
+        else:
+            m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_H], tl.float32)
+            acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        m_i, l_i, acc = attend_positions(q, k_base, v_base, stride_kt, stride_vt, lo, hi, m_i, l_i, acc, scale_log2,
+                                         HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST)
+
+        if SPLITS == 1:  # nothing to merge: the output itself
+            o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptr, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+        else:
+            a_ptr = Acc + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :]
+            tl.store(a_ptr, acc, mask=mask_h[:, None] & mask_d[None, :])
+            m_off = b * stride_mb + heads * stride_mh + split
+            tl.store(Max + m_off, m_i, mask=mask_h)
+            tl.store(Sum + m_off, l_i, mask=mask_h)
+
+    @triton.jit
+    def _merge_kernel(Acc, Max, Sum, Out, stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
+                      stride_ob, stride_oh,
+                      HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_s = offs_s < SPLITS
+        mask_d = offs_d < HEAD_DIM
+        m = tl.load(Max + b * stride_mb + h * stride_mh + offs_s, mask=mask_s, other=float("-inf"))
+        s = tl.load(Sum + b * stride_mb + h * stride_mh + offs_s, mask=mask_s, other=0.0)
+        w = tl.exp2(m - tl.max(m, 0))  # empty splits have m = -inf: weight 0
+        acc = tl.load(Acc + b * stride_ab + h * stride_ah + offs_s[:, None] * stride_as + offs_d[None, :],
+                      mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(s * w, 0)
+        tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                            lengths: torch.Tensor, window: int | None,
+                            prompts: tuple[torch.Tensor, torch.Tensor] | None = None, *, block: int = BLOCK_N,
+                            programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
+                            num_stages: int = NUM_STAGES, splits: int | None = None) -> torch.Tensor:
+    """Same contract as ``decode_attention_torch``; GPU (or ``TRITON_INTERPRET=1`` on CPU).
+
+    ``prompts`` = (groups, prompt) [B] int: rows whose ``prompt`` > 0 begin with that many
+    positions that every row of their group holds identically in its own slot (the samples of one
+    prompt after a shared prefill). A group's rows must be adjacent, at most ``PROMPT_ROWS`` of
+    them, with the same ``prompt``; the first of them then reads those positions once for all (the
+    other rows read only their own), which the result does not depend on. Ignored with a
+    ``window``. The keyword options are the kernel's tuning knobs (benchmarks sweep them);
+    ``splits`` overrides ``num_splits``."""
+    if triton is None:
+        raise RuntimeError("the Triton decode attention needs the triton package")
+    q = q.contiguous()  # a no-op for the model's q; a compiled graph may lay it out otherwise
+    B, H, d = q.shape
+    _, K, M, _ = k_cache.shape
+    assert H % K == 0 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    group = H // K
+    splits = splits or num_splits(B, K, M, q.device, programs_per_sm, block)
+    out = torch.empty(B, H, d, dtype=q.dtype, device=q.device)
+    parts = splits if splits > 1 else 0  # one split writes ``out`` directly: no partial results
+    acc = torch.empty(B, H, parts, d, dtype=torch.float32, device=q.device)
+    row_max = torch.empty(B, H, parts, dtype=torch.float32, device=q.device)
+    row_sum = torch.empty(B, H, parts, dtype=torch.float32, device=q.device)
+    block_d = max(16, triton.next_power_of_2(d))
+    # fp32 caches (tests, parity checks) take exact fp32 products, not TF32. Triton's CPU
+    # interpreter cannot multiply bf16 tiles, so there they are upcast to fp32 first.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    upcast = q.device.type != "cuda"
+    strides_qkv = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    scale_log2 = (1.0 / math.sqrt(d)) * math.log2(math.e)
+    shared = prompts is not None and not window
+    groups, prompt = prompts if shared else (lengths, lengths)  # unread without SHARED
+    prompt_acc = torch.empty(B, H, d, dtype=torch.float32, device=q.device) if shared else acc
+    prompt_max = torch.empty(B, H, dtype=torch.float32, device=q.device) if shared else row_max
+    prompt_sum = torch.empty_like(prompt_max) if shared else row_sum
+    if shared:
+        _prompt_kernel[(triton.cdiv(B, PROMPT_ROWS), K)](
+            q, k_cache, v_cache, slots, groups, prompt, prompt_acc, prompt_max, prompt_sum, B, *strides_qkv,
+            prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0), scale_log2,
+            GROUP=group, HEAD_DIM=d, ROWS=PROMPT_ROWS, BLOCK_Q=max(16, triton.next_power_of_2(PROMPT_ROWS * group)),
+            BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, num_warps=num_warps,
+            num_stages=num_stages,
+        )
+    _split_kernel[(B, K, splits)](
+        q, k_cache, v_cache, slots, lengths, acc, row_max, row_sum, out, prompt, prompt_acc, prompt_max, prompt_sum,
+        *strides_qkv, acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0), row_max.stride(1),
+        out.stride(0), out.stride(1), prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0),
+        scale_log2, window or 0,
+        GROUP=group, HEAD_DIM=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, SHARED=shared, num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if splits == 1:
+        return out
+    _merge_kernel[(B, H)](
+        acc, row_max, row_sum, out, acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0),
+        row_max.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=d, SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d, num_warps=4,
+    )
+    return out
+
+
+# A registered operator, so that torch.compile treats the kernels as one opaque call.
+@torch.library.custom_op("shardflow::decode_attention", mutates_args=())
+def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                        lengths: torch.Tensor, window: int, groups: torch.Tensor | None,
+                        prompt: torch.Tensor | None) -> torch.Tensor:
+    prompts = None if groups is None else (groups, prompt)
+    return decode_attention_triton(q, k_cache, v_cache, slots, lengths, window or None, prompts)
+
+
+@decode_attention_op.register_fake
+def _(q, k_cache, v_cache, slots, lengths, window, groups, prompt):
+    return q.new_empty(q.shape)  # contiguous, like the real output
+
+
+def _triton_via_op(q, k_cache, v_cache, slots, lengths, window, prompts=None):
+    groups, prompt = prompts if prompts is not None else (None, None)
+    return decode_attention_op(q, k_cache, v_cache, slots, lengths, window or 0, groups, prompt)
+
+
+# name -> attention function (the ``attention`` engine option)
+ATTENTION = {"torch": decode_attention_torch, "triton": _triton_via_op}

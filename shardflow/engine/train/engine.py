@@ -1,0 +1,215 @@
+"""The training engine: one optimizer step of a sharded model under any (pp, dp, tp).
+
+Every rank of the layout calls ``step`` with its data-parallel replica's share of the step's
+batch (all ranks of a replica pass the same share). A step:
+
+1. sums the loss normalizer over the dp group (one all-reduce of one float);
+2. splits the share into micro-batches bounded by a token budget (at least one per stage) and
+   runs them through the 1F1B pipeline schedule; gradients accumulate in a flat float32 buffer
+   whose dp all-reduce buckets start during the last backward;
+3. sums partial tp gradients, and the tied embedding's two copies across stages;
+4. computes the global gradient norm (one all-reduce over the layout), clips, and applies
+   AdamW to float32 master weights, which are copied back into the (e.g. bf16) model.
+
+The loss and its stats come back on the last stage's ranks; gradient norm and learning rate on
+every rank. Two host synchronisations per step read the normalizer and the metrics; none
+happens per micro-batch (micro-batches reach the device before the pipeline starts).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shardflow.data.batch import SequenceBatch
+from shardflow.engine.train.grad_buffer import GradBuffer
+from shardflow.engine.train.grad_sync import global_grad_norm, sum_partial_tp_grads, sum_tied_embedding_grads
+from shardflow.engine.train.loss_fn import LossFn
+from shardflow.engine.train.optimizer import AdamW, OptimConfig, lr_at
+from shardflow.engine.outputs import LM_OUTPUTS, VALUE_OUTPUTS, token_outputs
+from shardflow.engine.pipeline import StageLinks, train_1f1b
+from shardflow.engine.shared_prompts import plan_micro_batches
+from shardflow.models.transformer import Transformer
+from shardflow.parallel import comm
+from shardflow.parallel.layout import Layout
+from shardflow.parallel.sharding import unique_tensors
+from shardflow.parallel.world import World
+
+DEFAULT_BUCKET_NUMEL = 1 << 24  # 64 MiB of float32 gradients per dp all-reduce
+
+
+class TrainEngine:
+    def __init__(self, model: Transformer, layout: Layout, world: World, optim: OptimConfig, *,
+                 gradient_checkpointing: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+        if model.shard.layout != layout or model.shard.rank != world.rank:
+            raise ValueError(
+                f"the model was built for rank {model.shard.rank} of {model.shard.layout}, "
+                f"not rank {world.rank} of {layout}"
+            )
+        self.model, self.layout, self.world, self.optim = model, layout, world, optim
+        self.cfg, self.shard = model.cfg, model.shard
+        model.gradient_checkpointing = gradient_checkpointing
+        rank = world.rank
+        self.tp_group = world.groups.get(layout.tp_group(rank))
+        self.dp_group = world.groups.get(layout.dp_group(rank))
+        self.pp_group = world.groups.get(layout.pp_group(rank))
+        self.layout_group = world.groups.get(layout.ranks)
+
+        params = dict(model.named_parameters())
+        assert set(params) == set(self.shard.tensors), set(params) ^ set(self.shard.tensors)
+        self.device = next(iter(params.values())).device
+        self.grads = GradBuffer(params, self.dp_group, bucket_numel=bucket_numel, device=self.device)
+        self._params = [params[n] for n in self.grads.names]
+        # Float32 master weights laid out like the gradients.
+        master = torch.cat([p.detach().reshape(-1).float() for p in self._params])  # [local numel]
+        self._master_views = [master[a:b].view(p.shape) for p, (a, b) in
+                              zip(self._params, (self.grads.slices[n] for n in self.grads.names))]
+        by_name = dict(zip(self.grads.names, self._master_views))
+        decay = [by_name[n] for n in self.grads.names if len(self.shard.tensors[n].full_shape) >= 2]
+        self.optimizer = AdamW(master, decay, optim)
+        # Gradient views this rank counts in the global norm (replica 0 only: replicas are equal).
+        unique = unique_tensors(self.cfg, layout, rank) if self.shard.coord.dp == 0 else frozenset()
+        self._counted = [self.grads.views[n] for n in self.grads.names if n in unique]
+        self.step_count = 0  # optimizer updates applied; drives the lr schedule
+
+    # ----- one step ----------------------------------------------------------------------
+
+    def step(self, batch: SequenceBatch, loss_fn: LossFn, *, micro_batch_tokens: int,
+             temperature: float = 1.0, share_prompts: bool = False) -> dict[str, float]:
+        """Forward, backward and one optimizer update over this replica's share ``batch``.
+        ``share_prompts``: the samples of a prompt hold one copy of it (``engine.shared_prompts``;
+        the same update, less work), unless the model has sliding-window layers.
+
+        Returns metrics: the loss and the loss's stats summed over micro-batches and replicas
+        (on the last stage's ranks only), ``grad_norm`` (before clipping), ``lr``,
+        ``num_micro_batches`` and ``model_tokens`` (this replica; tokens the layers ran, padding
+        included, a shared prompt once) and ``skipped`` (1.0 when the gradient norm was not finite
+        and the update was skipped).
+        """
+        self._check_batch(batch, temperature)
+        # The losses read outputs at response tokens only (loss_mask): the head skips the prompts.
+        wanted = "loss_mask" if "loss_mask" in batch.token_fields else None
+        _, micro = plan_micro_batches(batch, micro_batch_tokens, self.device, min_micro_batches=self.layout.pp,
+                                      outputs_at=wanted,
+                                      share_prompts=share_prompts and not self.model.has_sliding_windows)
+        normalizer = self._global_normalizer(loss_fn.normalizer(batch))
+
+        names = VALUE_OUTPUTS if self.cfg.value_head else LM_OUTPUTS
+        sums: dict[str, torch.Tensor] = {}  # loss and stats, summed over micro-batches
+        model, shard = self.model, self.shard
+
+        def forward_step(i: int, x: torch.Tensor | None) -> torch.Tensor:
+            mb = micro[i]
+            hidden = model(mb.ids if shard.first_stage else x, mb.positions, packed=mb.packed)  # [B,T,H]
+            if not shard.last_stage:
+                return hidden
+            outputs = token_outputs(model, hidden, mb, names, temperature=temperature,
+                                    entropy_grad=loss_fn.entropy_grad)
+            loss, stats = loss_fn(outputs, mb.batch, normalizer)
+            for key, value in {"loss": loss, **stats}.items():
+                value = torch.as_tensor(value, dtype=torch.float32, device=self.device).detach()
+                sums[key] = sums[key] + value if key in sums else value
+            return loss
+
+        def before_backward(j: int) -> None:
+            if j == len(micro) - 1:
+                self.grads.begin_final_backward()
+
+        self.grads.zero()
+        hidden_size = self.cfg.hidden_size
+        shapes = [(*mb.ids.shape, hidden_size) for mb in micro]
+        dtype = next(iter(self.model.parameters())).dtype
+        links = StageLinks.of(self.layout, self.world.rank, self.pp_group, shapes, dtype, self.device)
+        train_1f1b(links, shard.stage, self.layout.pp, forward_step, before_backward)
+
+        self.grads.finish_reduce()  # dp all-reduce, started during the last backward
+        # Loss and stats: one all-reduce (sum) over the dp group, on the last stage. After the
+        # gradient buckets, so that every replica issues the dp collectives in the same order.
+        keys = sorted(sums)
+        stats = torch.stack([sums[k] for k in keys]) if keys else torch.zeros(0, device=self.device)
+        if keys:
+            comm.all_reduce(stats, self.dp_group)
+        sum_partial_tp_grads(self.grads, shard, self.tp_group)
+        sum_tied_embedding_grads(self.grads, self.cfg, shard, self.layout, self.pp_group)
+        norm = global_grad_norm(self._counted, self.layout_group, self.device)
+
+        # The step's second and last host synchronisation (the first read the normalizer):
+        # metrics, and whether the gradient norm is finite.
+        values = torch.cat([norm.reshape(1), stats]).tolist()
+        grad_norm, stats_values = values[0], values[1:]
+        lr = lr_at(self.optim, self.step_count + 1)
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self._update(norm, lr)
+        metrics = dict(zip(keys, stats_values))
+        metrics.update(grad_norm=grad_norm, lr=lr, num_micro_batches=float(len(micro)), skipped=float(skipped),
+                       model_tokens=float(sum(mb.ids.numel() for mb in micro)))
+        return metrics
+
+    @torch.no_grad()
+    def _update(self, norm: torch.Tensor, lr: float) -> None:
+        grad = self.grads.flat
+        if self.optim.max_grad_norm is not None:
+            # torch.nn.utils.clip_grad_norm_'s rule, kept on the device (no host sync).
+            grad.mul_(torch.clamp(self.optim.max_grad_norm / (norm + 1e-6), max=1.0))
+        self.step_count += 1
+        self.optimizer.step(grad, lr, self.step_count)
+        torch._foreach_copy_(self._params, self._master_views)
+
+    def _check_batch(self, batch: SequenceBatch, temperature: float) -> None:
+        if len(batch) == 0:
+            raise ValueError("training step got an empty batch; every data-parallel replica needs "
+                             "at least one sequence")
+        if "input_ids" not in batch.token_fields:
+            raise ValueError(f"training batch lacks token field 'input_ids' (has {sorted(batch.token_fields)})")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+
+    def _global_normalizer(self, local: float) -> float:
+        total = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
+        comm.all_reduce(total, self.dp_group)  # sum over the data-parallel replicas
+        value = total.item()
+        if not value > 0:
+            raise ValueError(f"the loss normalizer summed over replicas is {value}; it must be positive "
+                             "(does the step hold any response tokens?)")
+        return value
+
+    # ----- state for resume ----------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Optimizer and schedule state of this rank (the live tensors: save before stepping on).
+
+        It resumes only under the same layout and rank, which it records."""
+        return {
+            "layout": str(self.layout),
+            "rank": self.world.rank,
+            "step": self.step_count,
+            "params": [(n, tuple(p.shape)) for n, p in zip(self.grads.names, self._params)],
+            "master": self.optimizer.master,
+            "exp_avg": self.optimizer.exp_avg,
+            "exp_avg_sq": self.optimizer.exp_avg_sq,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore optimizer and schedule state, and the model's weights from the master copy."""
+        here = (str(self.layout), self.world.rank)
+        saved = (state.get("layout"), state.get("rank"))
+        if saved != here:
+            raise ValueError(
+                f"optimizer state was saved by rank {saved[1]} of layout {saved[0]}, but this is rank "
+                f"{here[1]} of {here[0]}; resuming needs the layout the state was saved under"
+            )
+        mine = [(n, tuple(p.shape)) for n, p in zip(self.grads.names, self._params)]
+        if [tuple(x) for x in state["params"]] != mine:
+            raise ValueError("optimizer state holds different parameters than this model "
+                             "(another model or config?)")
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            getattr(self.optimizer, key).copy_(state[key])
+        self.step_count = int(state["step"])
+        torch._foreach_copy_(self._params, self._master_views)
+
+    def close(self) -> None:
+        """Detach the engine's gradient hooks from the model."""
+        self.grads.close()

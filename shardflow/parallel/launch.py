@@ -1,0 +1,132 @@
+"""Start the ranks of a job: spawn them on this machine, or join a torchrun launch.
+
+Every rank runs the same ``entry(world, *args)`` (SPMD). When one rank raises, the others are
+terminated and the job ends with that rank's traceback and a non-zero exit; nothing waits on a
+dead peer.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+from multiprocessing import connection as mp_connection
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardflow.parallel.failures import RankFailed
+from shardflow.parallel.world import init_world
+
+Entry = Callable[..., Any]
+FAILURE_GRACE_S = 3.0  # after a rank fails, how long the others get to report their own errors
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def launch(entry: Entry, nprocs: int, *args: Any, backend: str | None = None) -> Any:
+    """Run ``entry(world, *args)`` on every rank.
+
+    Under torchrun this process is one rank of the existing job (``nprocs`` must match its
+    world size) and the entry's result is returned. Otherwise ``nprocs`` ranks are spawned and
+    rank 0's result is not returned (each rank reports for itself).
+    """
+    if under_torchrun():
+        size = int(os.environ["WORLD_SIZE"])
+        if size != nprocs:
+            raise ValueError(f"the job needs {nprocs} ranks but torchrun started {size}")
+        world = init_world(int(os.environ["RANK"]), size, "env://", backend,
+                           local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+        result = entry(world, *args)  # on an error torchrun ends the other ranks
+        _teardown()
+        return result
+    if backend == "nccl" or (backend is None and torch.cuda.is_available()):
+        if torch.cuda.device_count() < nprocs:
+            raise ValueError(f"the job needs {nprocs} GPUs but this machine has {torch.cuda.device_count()}")
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_rank_main, args=(rank, entry, nprocs, init_method, backend, args, errors),
+                         daemon=False) for rank in range(nprocs)]
+    for p in procs:
+        p.start()
+    try:
+        failure = _watch(procs, errors)
+    finally:
+        _stop(procs)
+    if failure is not None:
+        raise RankFailed(failure)
+    return None
+
+
+def _watch(procs, errors) -> str | None:
+    """Wait for every rank; on the first failure, give the others a moment to report theirs and
+    return the message of the earliest one (a peer's failure makes the rest fail too, later)."""
+    failures: list[tuple[float, int, str]] = []
+    deadline = None
+    while True:
+        while not errors.empty():
+            failures.append(errors.get())
+        exits = [p.exitcode for p in procs]
+        if all(code == 0 for code in exits):
+            return None
+        failed = [r for r, code in enumerate(exits) if code not in (None, 0)]
+        if (failures or failed) and deadline is None:
+            deadline = time.monotonic() + FAILURE_GRACE_S
+        if deadline is not None and (time.monotonic() > deadline or all(code is not None for code in exits)):
+            while not errors.empty():
+                failures.append(errors.get())
+            if failures:
+                _, rank, text = min(failures)
+                return f"rank {rank} failed:\n{text}"
+            rank = failed[0]
+            return f"rank {rank} died with exit code {exits[rank]}"
+        mp_connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.2)
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _rank_main(rank: int, entry: Entry, size: int, init_method: str, backend: str | None,
+               args: tuple, errors) -> None:
+    try:
+        world = init_world(rank, size, init_method, backend)
+        if world.backend == "gloo":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        entry(world, *args)
+    except BaseException:  # noqa: BLE001 - reported to the launcher, which ends the job
+        errors.put((time.time(), rank, traceback.format_exc()))
+        sys.stdout.flush()
+        os._exit(1)  # skip teardown: peers may be gone, and destroying the group could hang
+    finally:
+        sys.stdout.flush()
+    _teardown()
+
+
+def _teardown() -> None:
+    """Wait until every rank is done before any closes its connections: a gloo rank whose peer
+    tears down first can abort in a communication thread ("terminate called without an active
+    exception", seen once at the end of a two-rank run)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

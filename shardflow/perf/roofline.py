@@ -1,0 +1,115 @@
+"""Roofline estimates of one GPU's share of a layer: FLOPs and bytes against measured rates.
+
+Used for hardware or shapes that were not profiled. A pass is modelled as separate kernels that
+do not overlap: the GEMMs (bound by FLOPs or by reading the weights), attention (FLOPs or reading
+the KV cache) and elementwise work (norms, RoPE, SiLU, residuals: bound by HBM traffic), plus a
+fixed launch overhead per layer. Sizes are those of one tensor-parallel shard, taken from the
+sharding spec (``shard_for``), so KV heads replicated over tp > num_kv_heads are counted right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from shardflow.config.model import ModelConfig
+from shardflow.parallel.layout import Layout
+from shardflow.parallel.sharding import shard_for
+from shardflow.perf.hardware import Cluster
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One decoder layer as one tp rank holds it (local sizes)."""
+
+    hidden: int
+    q_dim: int  # local query heads x head_dim
+    kv_dim: int  # local KV heads x head_dim
+    inter: int  # local MLP width
+    params: int  # local parameters of the layer
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    hidden: int
+    vocab: int  # local (padded) vocabulary rows; 1 for a value head
+    value_head: bool
+
+
+@lru_cache(maxsize=512)
+def layer_shape(cfg: ModelConfig, tp: int) -> LayerShape:
+    shard = shard_for(cfg, Layout.contiguous(tp=tp), 0)
+    prefix = f"model.layers.{shard.layers[0]}."
+    params = sum(t.numel() for name, t in shard.tensors.items() if name.startswith(prefix))
+    return LayerShape(hidden=cfg.hidden_size, q_dim=shard.num_heads * cfg.head_dim,
+                      kv_dim=shard.num_kv_heads * cfg.head_dim, inter=shard.intermediate_size, params=params)
+
+
+@lru_cache(maxsize=512)
+def head_shape(cfg: ModelConfig, tp: int) -> HeadShape:
+    shard = shard_for(cfg, Layout.contiguous(tp=tp), 0)
+    return HeadShape(hidden=cfg.hidden_size, vocab=1 if cfg.value_head else shard.vocab_size,
+                     value_head=cfg.value_head)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Roofline:
+    matmul_efficiency: float = 0.8  # layer GEMMs reach this fraction of the measured GEMM rate
+    attention_efficiency: float = 0.5  # flash attention against the same rate
+    dtype_bytes: int = 2  # bf16 weights and activations
+    # AdamW over fp32 master weights: read the fp32 gradient, master, m and v; write master, m, v
+    # and the bf16 parameter.
+    optimizer_bytes_per_param: float = 4 + 3 * 4 + 3 * 4 + 2
+
+    # ----- decoder layer ---------------------------------------------------------------------
+
+    def _elementwise_elems(self, s: LayerShape) -> int:
+        # per token: two norms, RoPE on q/k, SiLU*up, two residual adds, and the activations each
+        # GEMM reads and writes (one read and one write each)
+        return 15 * s.hidden + 6 * s.q_dim + 8 * s.kv_dim + 6 * s.inter
+
+    def layer_forward(self, s: LayerShape, c: Cluster, tokens: float, seqlen: float) -> float:
+        """Forward of ``tokens`` tokens in sequences of ``seqlen`` (causal attention)."""
+        gemm = max(2 * tokens * s.params / (c.matmul_flops * self.matmul_efficiency),
+                   s.params * self.dtype_bytes / c.hbm_bandwidth)
+        attn = 2 * tokens * seqlen * s.q_dim / (c.matmul_flops * self.attention_efficiency)
+        elem = tokens * self._elementwise_elems(s) * self.dtype_bytes / c.hbm_bandwidth
+        return gemm + attn + elem + c.layer_overhead_s
+
+    def layer_backward(self, s: LayerShape, c: Cluster, tokens: float, seqlen: float) -> float:
+        """Backward (input and weight gradients): twice the GEMM FLOPs, 2.5x attention."""
+        gemm = max(4 * tokens * s.params / (c.matmul_flops * self.matmul_efficiency),
+                   2 * s.params * self.dtype_bytes / c.hbm_bandwidth)
+        attn = 5 * tokens * seqlen * s.q_dim / (c.matmul_flops * self.attention_efficiency)
+        elem = 2 * tokens * self._elementwise_elems(s) * self.dtype_bytes / c.hbm_bandwidth
+        return gemm + attn + elem + 2 * c.layer_overhead_s
+
+    def decode_layer(self, s: LayerShape, c: Cluster, batch: float, context: float) -> float:
+        """One decode step of ``batch`` requests whose KV caches hold ``context`` tokens."""
+        gemm = max(2 * batch * s.params / (c.matmul_flops * self.matmul_efficiency),
+                   s.params * self.dtype_bytes / c.hbm_bandwidth)
+        kv_bytes = 2 * batch * context * s.kv_dim * self.dtype_bytes
+        attn = max(4 * batch * context * s.q_dim / (c.matmul_flops * self.attention_efficiency),
+                   kv_bytes / c.hbm_bandwidth)
+        elem = batch * self._elementwise_elems(s) * self.dtype_bytes / c.hbm_bandwidth
+        return gemm + attn + elem + c.layer_overhead_s
+
+    # ----- final norm and head ----------------------------------------------------------------
+
+    def head_forward(self, s: HeadShape, c: Cluster, tokens: float) -> float:
+        """Final norm, LM head and per-token log-probabilities (fp32 logits, read three times)."""
+        params = s.hidden * s.vocab
+        gemm = max(2 * tokens * params / (c.matmul_flops * self.matmul_efficiency),
+                   params * self.dtype_bytes / c.hbm_bandwidth)
+        elem = tokens * (4 * s.hidden * self.dtype_bytes + 3 * 4 * s.vocab) / c.hbm_bandwidth
+        return gemm + elem + c.layer_overhead_s
+
+    def head_backward(self, s: HeadShape, c: Cluster, tokens: float) -> float:
+        params = s.hidden * s.vocab
+        gemm = max(4 * tokens * params / (c.matmul_flops * self.matmul_efficiency),
+                   2 * params * self.dtype_bytes / c.hbm_bandwidth)
+        elem = tokens * (4 * s.hidden * self.dtype_bytes + 3 * 4 * s.vocab) / c.hbm_bandwidth
+        return gemm + elem + c.layer_overhead_s
+
+    def optimizer(self, c: Cluster, params: float) -> float:
+        return params * self.optimizer_bytes_per_param / c.hbm_bandwidth
