@@ -22,7 +22,7 @@ estimated by the cost model, with the CUDA-graph capture time measured.
 Every mode also prints the simulated figures, so measured and predicted can be compared.
 ``--tiny`` runs the two-rank comparison on two CPU processes (gloo) with a tiny model.
 Prints a table; writes adaptive_tp.json, adaptive_trace.png (measured runs), adaptive_trace_simulated.png
-and decode_steps.json (the measured step times, for ``generation.adaptive_step_times``) to --out.
+and decode_steps.json (the measured step times, for ``generation.adaptive.step_times``) to --out.
 """
 
 from __future__ import annotations
@@ -40,24 +40,25 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shardflow.engine.adaptive.generator import AdaptiveConfig, AdaptiveGenerator  # noqa: E402
+from shardflow.config.experiment import AdaptiveConfig  # noqa: E402
+from shardflow.config.model import ModelConfig  # noqa: E402
+from shardflow.engine.adaptive.generator import AdaptiveGenerator  # noqa: E402
 from shardflow.engine.adaptive.length_predictor import LengthPredictor  # noqa: E402
 from shardflow.engine.adaptive.reshard import view_model  # noqa: E402
 from shardflow.engine.adaptive.simulate import SimRequest, simulate  # noqa: E402
-from shardflow.perf.step_time import Hardware, RooflineStepTime, StepTable, TableStepTime  # noqa: E402
 from shardflow.engine.adaptive.switch_cost import CostParams, SwitchCostModel  # noqa: E402
-from shardflow.engine.adaptive.switch_policy import Decider, PolicyConfig  # noqa: E402
+from shardflow.engine.adaptive.switch_policy import Decider  # noqa: E402
 from shardflow.engine.adaptive.trace import GenerationTrace, SwitchRecord, plot_trace  # noqa: E402
-from shardflow.engine.generate.engine import Engine, EngineConfig  # noqa: E402
+from shardflow.engine.generate.engine import EngineConfig, GenerationEngine  # noqa: E402
 from shardflow.engine.generate.replicas import generate_replicated  # noqa: E402
 from shardflow.engine.generate.requests import Request, SamplingParams, make_requests  # noqa: E402
-from shardflow.config.model import ModelConfig  # noqa: E402
 from shardflow.models.transformer import build_model  # noqa: E402
 from shardflow.parallel import comm  # noqa: E402
+from shardflow.parallel.launch import launch  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.parallel.sharding import shard_for  # noqa: E402
 from shardflow.parallel.world import World  # noqa: E402
-from shardflow.parallel.launch import launch  # noqa: E402
+from shardflow.perf.step_time import Hardware, RooflineStepTime, StepTable, TableStepTime  # noqa: E402
 
 LLAMA = dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1,
              eos_token_id=2, max_position_embeddings=131072, rope_theta=500000.0)
@@ -98,7 +99,7 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_steps(engine: Engine, batches, contexts, steps: int) -> StepTable:
+def measure_steps(engine: GenerationEngine, batches, contexts, steps: int) -> StepTable:
     """Median seconds per decode step at each (batch, context). Requests are adopted with
     ``context`` positions already cached (whatever the cache holds: the time does not depend on
     the values), so long contexts need no prefill."""
@@ -121,7 +122,7 @@ def measure_steps(engine: Engine, batches, contexts, steps: int) -> StepTable:
     return StepTable(tuple(float(b) for b in batches), tuple(float(c) for c in contexts), tuple(rows))
 
 
-def measure_prefill(engine: Engine, prompts: int, tokens: int) -> float:
+def measure_prefill(engine: GenerationEngine, prompts: int, tokens: int) -> float:
     """Seconds per token of prefilling ``prompts`` prompts of ``tokens`` tokens (second of two runs)."""
     seconds = 0.0
     for i in range(2):
@@ -149,7 +150,7 @@ def measure_p2p(world: World, nbytes: int) -> float:
     return nbytes / seconds
 
 
-def graph_capture_seconds(engine: Engine, batch: int) -> float:
+def graph_capture_seconds(engine: GenerationEngine, batch: int) -> float:
     if not engine.use_graphs:
         return 0.0
     sync(engine.device)
@@ -166,7 +167,7 @@ def simulated(cfg, lengths, history, prompt: int, steps_model, costs, slots: int
     for past in history:
         predictor.observe(past)
     decider = Decider(cfg=cfg, chain=[START, TARGET], steps=steps_model, costs=costs, predictor=predictor,
-                      config=PolicyConfig(interval=interval))
+                      config=AdaptiveConfig(interval=interval))
     out = {"static d2t1": simulate(requests, [START], slots=slots, steps=steps_model, costs=costs),
            "static d1t2": simulate(requests, [TARGET], slots=2 * slots + 1, steps=steps_model, costs=costs),
            "adaptive": simulate(requests, [START, TARGET], slots=slots, steps=steps_model, costs=costs,
@@ -204,7 +205,7 @@ def compare(world: World, args: dict) -> None:
     probe = EngineConfig(max_seq_len=max(contexts) + timed + 8, max_batch_size=2 * max(batches))
     tables, prefill = {}, {}
     for tp, m, batch_grid in ((1, model, batches), (2, merged, tuple(batches) + (2 * max(batches),))):
-        engine = Engine(m, probe)
+        engine = GenerationEngine(m, probe)
         log(f"measuring decode steps, tp={tp}, batches {batch_grid}, contexts {contexts}")
         tables[tp] = measure_steps(engine, [b for b in batch_grid if b <= engine.cache.num_slots], contexts, timed)
         prefill[tp] = measure_prefill(engine, min(8, engine.cache.num_slots), min(contexts))
@@ -214,7 +215,7 @@ def compare(world: World, args: dict) -> None:
     steps_model = TableStepTime(tables, RooflineStepTime(cfg, dtype_bytes=torch.empty((), dtype=dtype).element_size()),
                                 prefill_per_token=prefill)
     if world.rank == 0:
-        steps_model.save(Path(args["out"]) / "decode_steps.json")  # for generation.adaptive_step_times
+        steps_model.save(Path(args["out"]) / "decode_steps.json")  # for generation.adaptive.step_times
     p2p = measure_p2p(world, (1 << 30) if device.type == "cuda" else (16 << 20))
     log(f"point-to-point {p2p / 1e9:.1f} GB/s one way, both ways at once")
     hardware = Hardware(p2p_bandwidth=p2p)
@@ -246,13 +247,13 @@ def compare(world: World, args: dict) -> None:
     # (and the generator's graphs) are reused across RL iterations. The first capture's cost is
     # reported apart (graph_capture_s per graph).
     for name, layout, m in (("static d2t1", START, model), ("static d1t2", TARGET, merged)):
-        engine = Engine(m, config)
+        engine = GenerationEngine(m, config)
         engine.warm_graphs(engine.cache.num_slots, ["greedy"])
         timed_run(name, lambda reqs: generate_replicated(engine, layout, world, reqs))
         engine.release_cache()
         del engine
     generator = AdaptiveGenerator(world, model, [TARGET], engine_config=config, steps=steps_model, hardware=hardware,
-                                  config=AdaptiveConfig(policy=PolicyConfig(interval=args["interval"])),
+                                  config=AdaptiveConfig(interval=args["interval"]),
                                   cost_params=CostParams(graph_capture_s=capture))
     for engine in generator.engines.values():
         engine.warm_graphs(engine.cache.num_slots, ["greedy"])
@@ -321,7 +322,7 @@ def _broadcast_list(world: World, values: list[int]) -> list[int]:
 
 def _slots(model, config: EngineConfig) -> int:
     """KV slots the engine's default budget gives one rank for the tp=1 layout."""
-    engine = Engine(model, config)
+    engine = GenerationEngine(model, config)
     slots = engine.cache.num_slots
     engine.release_cache()
     return slots
@@ -369,7 +370,7 @@ def single_gpu(args: dict) -> None:
     probe = EngineConfig(max_seq_len=max(contexts) + timed + 8, max_batch_size=2 * max(batches))
     tables, prefill = {}, {}
     for tp, m, grid in ((1, full, batches), (2, half, tuple(batches) + (2 * max(batches),))):
-        engine = Engine(m, probe)
+        engine = GenerationEngine(m, probe)
         print(f"[{time.time() - start_time:4.0f}s] measuring decode steps tp={tp} (collectives not included)",
               flush=True)
         tables[tp] = measure_steps(engine, [b for b in grid if b <= engine.cache.num_slots], contexts, timed)
@@ -383,7 +384,7 @@ def single_gpu(args: dict) -> None:
     item = torch.empty((), dtype=dtype).element_size()
     steps_model = TableStepTime(tables, RooflineStepTime(cfg, dtype_bytes=item), add_comm=True,
                                 prefill_per_token=prefill)
-    steps_model.save(Path(args["out"]) / "decode_steps.json")  # for generation.adaptive_step_times
+    steps_model.save(Path(args["out"]) / "decode_steps.json")  # for generation.adaptive.step_times
     costs = SwitchCostModel(cfg, steps_model, Hardware(), CostParams(graph_capture_s=capture))
     lengths = forced_lengths(n, 1, median, over, cap)
     history = [forced_lengths(n, seed, median, over, cap) for seed in (2, 3)]

@@ -39,9 +39,8 @@ from shardflow.engine.generate.decode_attention import (  # noqa: E402
     decode_attention_triton,
     num_splits,
 )
-from shardflow.engine.generate.engine import Engine, EngineConfig  # noqa: E402
+from shardflow.engine.generate.engine import EngineConfig, GenerationEngine  # noqa: E402
 from shardflow.engine.generate.requests import SamplingParams, make_requests  # noqa: E402
-
 
 ENGINE_KNOBS = (BLOCK_N, PROGRAMS_PER_SM, NUM_WARPS, NUM_STAGES)  # what the engine runs
 
@@ -138,8 +137,8 @@ def kernel_profile(model, device, batch: int, context: int, compile: bool, tempe
     params = SamplingParams(max_new_tokens=warm + 20, temperature=temperature, seed=0, ignore_eos=True)
     prompts = [[5 + (i % 90)] * prompt for i in range(batch // samples)]
 
-    def engine_at_context(graphs: bool) -> Engine:
-        engine = Engine(model, EngineConfig(max_seq_len=context + 64, max_batch_size=batch, cuda_graphs=graphs,
+    def engine_at_context(graphs: bool) -> GenerationEngine:
+        engine = GenerationEngine(model, EngineConfig(max_seq_len=context + 64, max_batch_size=batch, cuda_graphs=graphs,
                                             compile=compile), eos_token_ids=[])
         engine.submit(make_requests(prompts, params, samples_per_prompt=samples))
         for _ in range(warm):
@@ -177,7 +176,15 @@ def sampler_times(device, cfg) -> list[dict]:
     one-pass Triton kernel) and the torch candidates compiled by inductor (what the step ran
     before the kernel), with whether the two pick the same tokens and how far their
     log-probabilities are apart."""
-    from shardflow.engine.generate.sampling import GREEDY, SAMPLE, SamplingTensors, local_candidates, pick, sample, scaled_logits
+    from shardflow.engine.generate.sampling import (
+        GREEDY,
+        SAMPLE,
+        SamplingTensors,
+        local_candidates,
+        pick,
+        sample,
+        scaled_logits,
+    )
 
     compiled = torch.compile(local_candidates, dynamic=True) if device.type == "cuda" else local_candidates
     rows = []

@@ -34,12 +34,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shardflow.config.experiment import BLAS_LIBRARIES, COMPILE_MODES  # noqa: E402
+from shardflow.config.model import ModelConfig  # noqa: E402
 from shardflow.engine.generate.decode_attention import ATTENTION  # noqa: E402
-from shardflow.config.settings import BLAS_LIBRARIES, COMPILE_MODES  # noqa: E402
-from shardflow.engine.generate.engine import Engine, EngineConfig  # noqa: E402
+from shardflow.engine.generate.engine import EngineConfig, GenerationEngine  # noqa: E402
 from shardflow.engine.generate.kv_cache import bytes_per_slot  # noqa: E402
 from shardflow.engine.generate.requests import SamplingParams, make_requests  # noqa: E402
-from shardflow.config.model import ModelConfig  # noqa: E402
 from shardflow.models.transformer import build_model  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.parallel.sharding import shard_for  # noqa: E402
@@ -142,7 +142,7 @@ def parity_check(device: torch.device, compile_: bool, options: dict) -> dict:
                 params = SamplingParams(max_new_tokens=48, temperature=temperature, seed=7, ignore_eos=True)
                 outputs, seeds = {}, None
                 for name, options in (("plain", plain), ("fast", fast)):
-                    engine = Engine(model, EngineConfig(max_seq_len=128, max_batch_size=8, **options))
+                    engine = GenerationEngine(model, EngineConfig(max_seq_len=128, max_batch_size=8, **options))
                     requests = engine.generate(make_requests(prompts, params))
                     outputs[name], seeds = [r.output_ids for r in requests], [r.seed for r in requests]
                     del engine
@@ -171,7 +171,7 @@ def shrinking_parity(model, plain: dict, fast: dict) -> dict:
               for n in (48, 7, 30, 13, 21, 40)]
     runs = {}
     for name, options in (("plain", plain), ("fast", fast)):
-        engine = Engine(model, EngineConfig(max_seq_len=128, max_batch_size=8, **options))
+        engine = GenerationEngine(model, EngineConfig(max_seq_len=128, max_batch_size=8, **options))
         runs[name] = [(r.output_ids, r.finish_reason, r.output_logprobs)
                       for r in engine.generate(make_requests(prompts, params, samples_per_prompt=3))]
         del engine
@@ -230,7 +230,7 @@ def bench_attention(cfg: ModelConfig, device: torch.device, cases: list[tuple[in
 
 # ----- the engine on the model shape ----------------------------------------------------------------
 
-def bench_engine(engine: Engine, cfg: ModelConfig, batch: int, context: int, steps: int, bandwidth: float,
+def bench_engine(engine: GenerationEngine, cfg: ModelConfig, batch: int, context: int, steps: int, bandwidth: float,
                  item: int) -> dict:
     max_seq_len = context + steps + 1
     engine.reset_cache(max_seq_len=max_seq_len, kv_cache_bytes=(batch + 1) * bytes_per_slot(
@@ -373,7 +373,7 @@ def main() -> None:
 
     print(f"[{time.perf_counter() - t0:.0f}s] engine on random weights (compile={compile_})")
     model = random_model(cfg, device, dtype)
-    engine = Engine(model, EngineConfig(max_seq_len=max(contexts) + steps + 1, max_batch_size=max(batches),
+    engine = GenerationEngine(model, EngineConfig(max_seq_len=max(contexts) + steps + 1, max_batch_size=max(batches),
                                         kv_cache_bytes=(2 * bytes_per_slot(model.shard, cfg, max(contexts) + steps,
                                                                            dtype)),
                                         compile=compile_, **options))

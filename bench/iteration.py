@@ -205,10 +205,10 @@ def speed_up(ours: dict, trl: dict) -> dict:
 def planner_estimates(work: Path, ours: dict, workload: dict) -> dict:
     """The planner's estimate of each call of this very run (a profile measured now, on this
     device, then the cost model), against the run's measured median call times."""
-    from shardflow.config.settings import load_config
+    from shardflow.config.load import load_config
+    from shardflow.perf.hardware import Cluster
     from shardflow.plan.estimate import estimate, from_execution_plan
     from shardflow.plan.execution_plan import ExecutionPlan
-    from shardflow.perf.hardware import Cluster
     from shardflow.plan.problem import problem_from_config
     from shardflow.profiler.measure import run_profile
 

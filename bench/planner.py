@@ -20,10 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shardflow.config.settings import load_config  # noqa: E402
+from shardflow.config.load import load_config  # noqa: E402
+from shardflow.perf.hardware import Cluster  # noqa: E402
 from shardflow.plan.baselines import heuristic, symmetric  # noqa: E402
 from shardflow.plan.estimate import to_execution_plan  # noqa: E402
-from shardflow.perf.hardware import Cluster  # noqa: E402
 from shardflow.plan.problem import problem_from_config  # noqa: E402
 from shardflow.plan.search import SearchOptions, mcmc  # noqa: E402
 from shardflow.plan.space import Space  # noqa: E402
@@ -36,7 +36,7 @@ PROMPTS_PER_GPU = 4
 def plan_one(gpus: int, time_limit: float, seed: int, out: Path) -> dict:
     t0 = time.perf_counter()
     config = load_config(CONFIG, [f"algorithm.batch_size={PROMPTS_PER_GPU * gpus}"])
-    problem = problem_from_config(config, Cluster.for_devices(gpus), config_file=CONFIG)
+    problem = problem_from_config(config, Cluster.for_devices(gpus))
     space = Space(problem)
     base = {"symmetric": symmetric(problem), "heuristic": heuristic(problem)}
     setup = time.perf_counter() - t0

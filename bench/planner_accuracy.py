@@ -27,16 +27,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shardflow.engine.generate.decode_attention import ATTENTION  # noqa: E402
 from shardflow.config.model import ModelConfig  # noqa: E402
+from shardflow.engine.generate.decode_attention import ATTENTION  # noqa: E402
 from shardflow.models.transformer import build_model  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.parallel.sharding import shard_for  # noqa: E402
-from shardflow.plan.cost import CostModel  # noqa: E402
 from shardflow.perf.hardware import Cluster  # noqa: E402
 from shardflow.perf.profile import OpCosts  # noqa: E402
-from shardflow.profiler.measure import QUICK, Grid, profile_model, timed  # noqa: E402
+from shardflow.plan.cost import CostModel  # noqa: E402
 from shardflow.plan.workload import Workload  # noqa: E402
+from shardflow.profiler.measure import QUICK, Grid, profile_model, timed  # noqa: E402
 
 QWEN3_1_7B = {
     "architectures": ["Qwen3ForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,

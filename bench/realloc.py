@@ -34,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shardflow.config.model import ModelConfig  # noqa: E402
 from shardflow.models.transformer import build_model  # noqa: E402
 from shardflow.parallel import comm  # noqa: E402
+from shardflow.parallel.launch import launch  # noqa: E402
 from shardflow.parallel.layout import Layout, parse_ranks  # noqa: E402
 from shardflow.parallel.realloc import BUCKET_BYTES, DIRECT_MIN_BYTES, reallocate  # noqa: E402
 from shardflow.parallel.realloc_plan import transfer_plan  # noqa: E402
 from shardflow.parallel.sharding import shard_for  # noqa: E402
-from shardflow.parallel.launch import launch  # noqa: E402
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "rms_norm_eps": 1e-5,
          "max_position_embeddings": 131072, "tie_word_embeddings": False}

@@ -39,15 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from iteration import QWEN3_1_7B  # noqa: E402
 from train_step import kernel_profile  # noqa: E402
 
+from shardflow.config.experiment import OptimConfig  # noqa: E402
 from shardflow.data.batch import SequenceBatch  # noqa: E402
 from shardflow.engine.inference import infer  # noqa: E402
-from shardflow.engine.train.optimizer import OptimConfig  # noqa: E402
 from shardflow.engine.shared_prompts import group_by_prompt, make_shared_micro_batches, split_rows  # noqa: E402
-from shardflow.models.packed_attention import gather_keys, packed_attention  # noqa: E402
-from shardflow.models.transformer import causal_attention  # noqa: E402
 from shardflow.engine.train.engine import TrainEngine  # noqa: E402
 from shardflow.models.checkpoint import load_model  # noqa: E402
+from shardflow.models.packed_attention import gather_keys, packed_attention  # noqa: E402
 from shardflow.models.tiny import make_tiny_checkpoint  # noqa: E402
+from shardflow.models.transformer import causal_attention  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.parallel.world import World  # noqa: E402
 
@@ -105,7 +105,7 @@ def parity(work: Path, device: torch.device, dtype: torch.dtype) -> dict:
         model, _ = load_model(path, layout, world, dtype=run_dtype)
         logprobs = infer(model, layout, world, batch, "logprobs", micro_batch_tokens=1024, outputs_at="loss_mask",
                          share_prompts=share).token_fields["logprobs"].float().cpu()
-        engine = TrainEngine(model, layout, world, OptimConfig(lr=1e-3, max_grad_norm=None))
+        engine = TrainEngine(model, layout, world, OptimConfig(lr=1e-3, grad_clip=0.0))
         metrics = engine.step(batch, PolicyLoss(), micro_batch_tokens=1024, share_prompts=share)
         return logprobs[wanted], engine.grads.flat.float().cpu().clone(), metrics["model_tokens"]
 

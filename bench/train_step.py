@@ -42,16 +42,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from iteration import QWEN3_1_7B  # noqa: E402
 
+from shardflow.config.experiment import OptimConfig  # noqa: E402
+from shardflow.config.model import ModelConfig  # noqa: E402
 from shardflow.data.batch import SequenceBatch  # noqa: E402
 from shardflow.engine.micro_batches import split_by_tokens  # noqa: E402
-from shardflow.engine.train.optimizer import OptimConfig  # noqa: E402
 from shardflow.engine.train.engine import TrainEngine  # noqa: E402
 from shardflow.models.checkpoint import load_model, save_checkpoint  # noqa: E402
-from shardflow.config.model import ModelConfig  # noqa: E402
 from shardflow.models.transformer import build_model  # noqa: E402
+from shardflow.parallel.launch import launch  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.parallel.sharding import shard_for  # noqa: E402
-from shardflow.parallel.launch import launch  # noqa: E402
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
@@ -109,7 +109,7 @@ def parity(world, shapes: list[str], ckpt: str, out: Path) -> dict[str, float]:
     """Max |weight difference| after one float32 step, per layout, against d1p1t1."""
     cfg = ModelConfig.from_pretrained(ckpt)
     batch = make_batch(12, 96, cfg.vocab_size, seed=0)
-    optim = OptimConfig(lr=1e-3, eps=1e-3, max_grad_norm=1.0)
+    optim = OptimConfig(lr=1e-3, eps=1e-3, grad_clip=1.0)
     for shape in ["d1p1t1"] + shapes:
         layout = layout_of(shape)
         if world.rank in layout:

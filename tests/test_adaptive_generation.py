@@ -7,20 +7,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from gen_helpers import prompts
-from shardflow.config.settings import GenerationConfig
-from shardflow.engine.adaptive.generator import AdaptiveConfig, AdaptiveGenerator
-from shardflow.runtime.adaptive import adaptive_generator
-from shardflow.engine.adaptive.switch_policy import PolicyConfig
+
+from shardflow.config.experiment import AdaptiveConfig
+from shardflow.engine.adaptive.generator import AdaptiveGenerator
 from shardflow.engine.adaptive.trace import GenerationTrace, plot_trace
-from shardflow.engine.generate.engine import Engine, EngineConfig
+from shardflow.engine.generate.decode_weights import make_decode_weights
+from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
 from shardflow.engine.generate.replicas import generate_replicated, replica_share
 from shardflow.engine.generate.requests import SamplingParams, make_requests
 from shardflow.models.checkpoint import load_model
 from shardflow.parallel.layout import Layout
 from shardflow.plan.execution_plan import CallPlan
-from shardflow.engine.generate.decode_weights import make_decode_weights
+from shardflow.runtime.calls.generate import adaptive_generator
 
 # float32 on both sides; a switch changes tp, which only reorders sums (a few ulps).
 LOGPROB_ATOL = 1e-4
@@ -54,16 +53,16 @@ def adaptive_job(world, path: str, start: str, targets: list[str], runs: dict, p
     ids = prompts(model.cfg.vocab_size)
     per_prompt = [SamplingParams(**params[i % len(params)]) for i in range(len(ids))]
     config = EngineConfig(**engine_kwargs)
-    static = generate_replicated(Engine(model, config, eos_token_ids=model.cfg.eos_token_ids), start_l, world,
+    static = generate_replicated(GenerationEngine(model, config, eos_token_ids=model.cfg.eos_token_ids), start_l, world,
                                  make_requests(ids, per_prompt, samples))
-    if steps is None:  # the runtime's way in: the plan's targets and the generation config
-        generator = adaptive_generator(world, model, CallPlan(layout=start_l, tp_targets=tuple(target_ls)),
-                                       GenerationConfig(adaptive_tp=True, adaptive_interval=interval),
+    if steps is None:  # the runtime's way in: the plan's targets and the adaptive settings
+        plan = CallPlan(layout=start_l, tp_targets=tuple(target_ls))
+        generator = adaptive_generator(world, model, plan.tp_targets, AdaptiveConfig(enabled=True, interval=interval),
                                        engine_config=config, eos_token_ids=model.cfg.eos_token_ids)
     else:
         generator = AdaptiveGenerator(world, model, target_ls, engine_config=config,
                                       eos_token_ids=model.cfg.eos_token_ids,
-                                      config=AdaptiveConfig(policy=PolicyConfig(interval=interval)), steps=steps)
+                                      config=AdaptiveConfig(interval=interval), steps=steps)
     if fuse:  # what GPU engines decode with: concatenated q/k/v and gate/up copies, refreshed per generation
         for m in generator.models.values():
             make_decode_weights(m)

@@ -6,17 +6,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardflow.config.load import load_config
+from shardflow.config.model import ModelConfig
 from shardflow.engine.adaptive.kv_migration import clean_slots, fit_problem, keeps_own, kv_plan, regroup_factor
 from shardflow.engine.adaptive.merge import nests, plan_merge
 from shardflow.engine.adaptive.reshard import view_model
+from shardflow.engine.generate.decode_weights import (
+    decode_weights_layout,
+    drop_decode_weights,
+    make_decode_weights,
+    refresh_decode_weights,
+)
 from shardflow.engine.generate.kv_cache import KVCache
 from shardflow.models.checkpoint import load_weights
-from shardflow.config.model import ModelConfig
 from shardflow.models.tiny import tiny_hf_config
 from shardflow.models.transformer import build_model
 from shardflow.parallel.layout import Layout, split_replicas
 from shardflow.parallel.sharding import shard_for
-from shardflow.engine.generate.decode_weights import decode_weights_layout, drop_decode_weights, make_decode_weights, refresh_decode_weights
+from shardflow.runtime.validate import check_config, check_plan
 
 L = Layout.parse
 
@@ -140,26 +147,24 @@ def test_what_fits_in_the_caches():
 
 
 def test_configuration_turns_it_on_and_checks_it():
-    from shardflow.config.settings import GenerationConfig, load_config
-    from shardflow.runtime.adaptive import adaptive_generator, check_adaptive
-    from shardflow.plan.execution_plan import CallPlan
-
-    call = CallPlan(layout=L("d2p1t1@0-1"))
-    assert adaptive_generator(None, None, call, GenerationConfig(), engine_config=None) is None  # off: static path
-    check_adaptive("actor_gen", call, GenerationConfig())
+    base = {"models": {"actor": {"path": "x"}}, "data": {"path": "x"}, "run": {"devices": 2}}
+    config = load_config(None, [], base=base)
+    _, graph = check_config(config)
+    models = {"actor": ModelConfig.from_hf_dict(tiny_hf_config("llama").to_dict())}
+    assert not check_plan(config, graph, models)["actor_gen"].tp_targets  # off: the static path needs none
     with pytest.raises(ValueError, match="plan gives 'actor_gen' no tp_targets"):
-        check_adaptive("actor_gen", call, GenerationConfig(adaptive_tp=True))
-    with pytest.raises(ValueError, match="generation.adaptive_kv must be one of auto, migrate, recompute"):
-        load_config(None, ["generation.adaptive_kv=copy"], base={"models": {"actor": {"path": "x"}},
-                                                                 "data": {"path": "x"}})
+        check_plan(load_config(None, ["generation.adaptive.enabled=true"], base=base), graph, models)
+    with pytest.raises(ValueError, match="generation.adaptive.kv_mode must be one of auto, migrate, recompute"):
+        load_config(None, ["generation.adaptive.kv_mode=copy"], base=base)
 
 
 def test_one_rank_generator_refusals_and_bad_schedules(checkpoints):
     """A one-rank layout has nothing to merge: targets are refused when the generator is built and it
     generates what the plain engine does; malformed forced switches are errors before any work."""
     from gen_helpers import local_model, prompts
+
     from shardflow.engine.adaptive.generator import AdaptiveGenerator
-    from shardflow.engine.generate.engine import Engine, EngineConfig
+    from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
     from shardflow.engine.generate.requests import SamplingParams, make_requests
     from shardflow.parallel.world import World
 
@@ -169,7 +174,7 @@ def test_one_rank_generator_refusals_and_bad_schedules(checkpoints):
     [refusal] = generator.refused
     assert refusal.step == -1 and "d1p1t2@0-1 is not reachable from d1p1t1@0" in refusal.reason
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
-    reference = Engine(model, EngineConfig(max_seq_len=64)).generate(make_requests(prompts(), params))
+    reference = GenerationEngine(model, EngineConfig(max_seq_len=64)).generate(make_requests(prompts(), params))
     done = generator.generate(make_requests(prompts(), params))
     assert [r.output_ids for r in done] == [r.output_ids for r in reference]
     assert generator.last_trace.switches == [] and len(generator.last_trace.refusals) == 1
@@ -233,9 +238,9 @@ def test_decode_weight_copies_refresh_in_place(transposed):
 def test_step_times_from_a_planner_profile_or_measured_steps(tmp_path):
     import numpy as np
 
-    from shardflow.runtime.adaptive import step_times
-    from shardflow.perf.step_time import Hardware, LayerStepTime, RooflineStepTime, TableStepTime
     from shardflow.perf.profile import LayerProfile, Profile, Table, layer_key
+    from shardflow.perf.step_time import Hardware, LayerStepTime, RooflineStepTime, TableStepTime
+    from shardflow.perf.step_time import load_step_times as step_times
 
     cfg = tiny()
     flat = Table((1.0,), (1.0,))

@@ -8,14 +8,15 @@ import json
 import numpy as np
 import pytest
 
+from shardflow.config.experiment import AdaptiveConfig
+from shardflow.config.model import ModelConfig
 from shardflow.engine.adaptive.length_predictor import LengthPredictor
 from shardflow.engine.adaptive.merge import plan_merge
 from shardflow.engine.adaptive.simulate import SimRequest, simulate
-from shardflow.perf.step_time import Hardware, LayerStepTime, RooflineStepTime, StepTable, TableStepTime
 from shardflow.engine.adaptive.switch_cost import CostParams, SwitchCostModel
-from shardflow.engine.adaptive.switch_policy import Decider, Loads, PolicyConfig, bucket_edges, bucket_sums
-from shardflow.config.model import ModelConfig
+from shardflow.engine.adaptive.switch_policy import Decider, Loads, bucket_edges, bucket_sums
 from shardflow.parallel.layout import Layout
+from shardflow.perf.step_time import Hardware, LayerStepTime, RooflineStepTime, StepTable, TableStepTime
 
 D2T1, D1T2 = Layout.parse("d2p1t1@0-1"), Layout.parse("d1p1t2@0-1")
 CHAIN4 = [Layout.parse("d4p1t1@0,2,1,3"), Layout.parse("d2p1t2@0,2,1,3"), Layout.parse("d1p1t4@0-3")]
@@ -56,7 +57,7 @@ def policy_sim(lengths, chain, *, history=None, slots=64, interval=32, **kw):
     for past in history or [lengths, lengths]:
         predictor.observe(past)
     decider = Decider(cfg=CFG, chain=chain, steps=steps, costs=costs, predictor=predictor,
-                      config=PolicyConfig(interval=interval, **kw))
+                      config=AdaptiveConfig(interval=interval, **kw))
     requests = [SimRequest(100, int(n)) for n in lengths]
     adaptive = simulate(requests, chain, slots=slots, steps=steps, costs=costs, decider=decider, interval=interval)
     static = {str(layout): simulate(requests, [layout], slots=slots, steps=steps, costs=costs).seconds
@@ -221,8 +222,8 @@ def test_decision_inputs_do_not_grow_with_the_batch():
 
 
 def test_policy_config_checks():
-    with pytest.raises(ValueError, match="interval must be a positive"):
-        PolicyConfig(interval=0)
+    with pytest.raises(ValueError, match="interval must be positive"):
+        AdaptiveConfig(interval=0)
     with pytest.raises(ValueError, match="kv_mode must be"):
         Decider(cfg=CFG, chain=[D2T1], steps=Synthetic(), costs=None, predictor=LengthPredictor(max_len=4),
-                config=PolicyConfig(), kv_mode="copy")
+                config=AdaptiveConfig(), kv_mode="copy")

@@ -1,5 +1,5 @@
 """``shardflow train`` with adaptive TP on gloo ranks: the plan's tp_targets and
-``generation.adaptive_tp`` turn it on; the run's rollouts and losses are those of the static run
+``generation.adaptive.enabled`` turn it on; the run's rollouts and losses are those of the static run
 (switches keep every token), its metrics report the switches, and the picture is drawn."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardflow.config.settings import load_config
+from shardflow.config.load import load_config
 from shardflow.examples.arithmetic import CONFIG_FILE, TASK_FILE
 
 
 def train_job(world, raw: dict, overrides: list[str]):
-    from shardflow.runtime.validate import prepare
     from shardflow.runtime.driver import train_rank
+    from shardflow.runtime.validate import prepare
 
     train_rank(world, prepare(load_config(None, overrides, base=raw)))
 
@@ -39,8 +39,8 @@ def test_a_run_with_adaptive_tp_matches_the_static_run(pool, checkpoints, tmp_pa
               "run.checkpoints=false", "generation.max_new_tokens=8"]
     static, adaptive = tmp_path / "static", tmp_path / "adaptive"
     pool.run(train_job, raw, [*common, f"run.out_dir={static}"])
-    pool.run(train_job, raw, [*common, f"run.out_dir={adaptive}", "generation.adaptive_tp=true",
-                              "generation.adaptive_interval=2", f"generation.adaptive_step_times={steps}"])
+    pool.run(train_job, raw, [*common, f"run.out_dir={adaptive}", "generation.adaptive.enabled=true",
+                              "generation.adaptive.interval=2", f"generation.adaptive.step_times={steps}"])
     a, b = metrics(static), metrics(adaptive)
     assert len(a) == len(b) == 2
     for x, y in zip(a, b):

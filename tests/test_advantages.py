@@ -5,12 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardflow.config.experiment import AlgorithmConfig, KLConfig
+from shardflow.config.load import load_config
 from shardflow.data.batch import SequenceBatch
-from shardflow.config.settings import AlgorithmConfig
-from shardflow.rl import advantages as adv_module
 from shardflow.parallel.layout import Layout
-from shardflow.rl.advantages import (KLController, compute_advantages, gae, group_advantages, sequence_kl,
-                                     whiten)
+from shardflow.rl.advantages import KLController, gae, group_advantages, sequence_kl, whiten
+from shardflow.rl.algorithms import ALGORITHMS, algorithm_named
+from shardflow.rl.algorithms.base import Algorithm
+from shardflow.runtime.validate import check_config
+
+
+def compute_advantages(batch, algo, *, kl_coef=0.0, group=None):
+    """The estimator of the algorithm that ``algo`` names."""
+    return algorithm_named(algo.name).advantages(batch, algo, kl_coef, group)
 
 
 def ppo_batch() -> SequenceBatch:
@@ -98,24 +105,24 @@ def test_compute_advantages_per_algorithm():
     response = ppo.token_fields["advantages"][mask > 0]
     assert response.mean().abs() < 1e-6 and (response.std() - 1).abs() < 1e-5
     # KL in the reward only with kl_in_reward
-    kl = compute_advantages(batch, AlgorithmConfig(name="ppo", gamma=0.9, lam=0.8, kl_in_reward=True,
-                                                   kl_estimator="k1", whiten_advantages=False), kl_coef=0.1)
+    kl = compute_advantages(batch, AlgorithmConfig(name="ppo", gamma=0.9, lam=0.8, whiten_advantages=False,
+                                                   kl=KLConfig(in_reward=True, estimator="k1")), kl_coef=0.1)
     assert kl.token_fields["advantages"][2].item() == pytest.approx(0.1052, abs=1e-6)
     grpo = compute_advantages(grpo_batch([1.0, 0.0], [0, 0]), AlgorithmConfig(name="grpo"))
     assert "returns" not in grpo.token_fields and grpo.token_fields["advantages"][1] > 0
 
 
-def test_a_new_estimator_is_one_registered_function(monkeypatch):
+def test_a_new_algorithm_is_one_registered_entry(monkeypatch):
     def leave_one_out(batch, algo, kl_coef, group):
         return batch.update({"advantages": torch.ones(batch.num_tokens)})
 
-    monkeypatch.setitem(adv_module.ESTIMATORS, "rloo", leave_one_out)
-    algo = AlgorithmConfig()
-    algo.name = "rloo"
+    grpo = ALGORITHMS["grpo"]
+    monkeypatch.setitem(ALGORITHMS, "rloo", Algorithm(name="rloo", summary="test", graph=grpo.graph,
+                                                      advantages=leave_one_out, losses=grpo.losses))
+    algo = AlgorithmConfig(name="rloo")
     assert compute_advantages(grpo_batch([1.0], [0]), algo).token_fields["advantages"].tolist() == [1.0] * 3
-    algo.name = "remax"
-    with pytest.raises(ValueError, match="no advantage estimator for algorithm 'remax'"):
-        compute_advantages(grpo_batch([1.0], [0]), algo)
+    with pytest.raises(ValueError, match="algorithm.name must be one of grpo, ppo, rloo; got 'remax'"):
+        compute_advantages(grpo_batch([1.0], [0]), AlgorithmConfig(name="remax"))
 
 
 def test_kl_controller_by_hand():
@@ -124,7 +131,7 @@ def test_kl_controller_by_hand():
     assert c.value == pytest.approx(0.2004)
     c.update(5.4, 100)  # error -0.1: 0.2004 * (1 - 0.1 * 0.01)
     assert c.value == pytest.approx(0.2004 * 0.999)
-    fixed = KLController.from_config(AlgorithmConfig(kl_coef=0.05))
+    fixed = KLController.from_config(KLConfig(coef=0.05))
     fixed.update(100.0, 100)
     assert fixed.value == 0.05
     restored = KLController(value=1.0, target=6.0)
@@ -142,12 +149,13 @@ def test_sequence_kl_by_hand():
 
 
 def test_config_refuses_kl_settings_that_cannot_work():
-    with pytest.raises(ValueError, match="algorithm.kl_in_reward needs a per-token reward, i.e. name=ppo"):
-        AlgorithmConfig(name="grpo", kl_coef=0.1, kl_in_reward=True).check("algorithm")
-    with pytest.raises(ValueError, match="algorithm.adaptive_kl_target needs a positive kl_coef"):
-        AlgorithmConfig(adaptive_kl_target=6.0).check("algorithm")
-    with pytest.raises(ValueError, match="algorithm.adaptive_kl_horizon must be positive"):
-        AlgorithmConfig(kl_coef=0.1, adaptive_kl_target=6.0, adaptive_kl_horizon=0).check("algorithm")
+    base = {"models": {"actor": {"path": "a"}, "ref": {"path": "r"}}, "data": {"path": "d.jsonl"}}
+    with pytest.raises(ValueError, match="algorithm.kl.in_reward needs a per-token reward, i.e. algorithm.name=ppo"):
+        check_config(load_config(None, ["algorithm.kl.coef=0.1", "algorithm.kl.in_reward=true"], base=base))
+    with pytest.raises(ValueError, match="algorithm.kl.target needs a positive algorithm.kl.coef"):
+        check_config(load_config(None, ["algorithm.kl.target=6.0"], base=base))
+    with pytest.raises(ValueError, match="algorithm.kl.horizon must be positive"):
+        load_config(None, ["algorithm.kl.coef=0.1", "algorithm.kl.target=6.0", "algorithm.kl.horizon=0"], base=base)
 
 
 def _sharded_advantages_job(world, batch, algo, shares):

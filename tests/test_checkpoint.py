@@ -11,8 +11,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from shardflow.models.checkpoint import CheckpointReader, load_model, save_checkpoint
 from shardflow.config.model import ModelConfig
+from shardflow.models.checkpoint import CheckpointReader, load_model, save_checkpoint
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import check_layout, shard_for
 

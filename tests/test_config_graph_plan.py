@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from shardflow.config.settings import load_config
+from shardflow.config.load import load_config
 from shardflow.config.model import ModelConfig
 from shardflow.models.tiny import tiny_hf_config
 from shardflow.parallel.layout import Layout, merge_replicas, split_replicas
 from shardflow.parallel.sharding import shard_for
 from shardflow.plan.execution_plan import CallPlan, ExecutionPlan, check_merge, symmetric_plan
 from shardflow.rl.graph import Call, Graph, Kind
-from shardflow.rl.graphs import build_graph
+from shardflow.runtime.validate import check_config
 
 
 @pytest.fixture
@@ -20,6 +20,11 @@ def base_file(tmp_path):
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump({"models": {"actor": {"path": "m"}}, "data": {"path": "d.jsonl"}}))
     return path
+
+
+def build_graph(config):
+    """The graph of the algorithm ``config`` names, after the checks across settings."""
+    return check_config(config)[1]
 
 
 def test_overrides_types_and_unknown_keys(base_file):
@@ -31,19 +36,21 @@ def test_overrides_types_and_unknown_keys(base_file):
     with pytest.raises(ValueError, match="'algorithm.batch_size' must be int, got 'abc'"):
         load_config(base_file, ["algorithm.batch_size=abc"])
     with pytest.raises(ValueError, match="algorithm.name must be one of grpo, ppo; got 'dpo'"):
-        load_config(base_file, ["algorithm.name=dpo"])
+        check_config(load_config(base_file, ["algorithm.name=dpo"]))
     with pytest.raises(ValueError, match="models.critic is required"):
-        load_config(base_file, ["algorithm.name=ppo"])
+        check_config(load_config(base_file, ["algorithm.name=ppo"]))
+    with pytest.raises(ValueError, match="config key 'algorithm.kl_coef' is now 'algorithm.kl.coef'"):
+        load_config(base_file, ["algorithm.kl_coef=0.1"])
     with pytest.raises(ValueError, match="generation.compile_mode must be one of default, max-autotune-no-cudagraphs; "
                                          "got 'reduce-overhead'"):
         load_config(base_file, ["generation.compile_mode=reduce-overhead"])
-    with pytest.raises(ValueError, match="generation.blas_library must be empty or one of cublas, cublaslt; got 'mkl'"):
+    with pytest.raises(ValueError, match="generation.blas_library must be one of '', cublas, cublaslt; got 'mkl'"):
         load_config(base_file, ["generation.blas_library=mkl"])
     assert load_config(base_file, ["generation.blas_library=cublaslt"]).generation.blas_library == "cublaslt"
 
 
 def test_graphs_of_ppo_and_grpo(base_file):
-    ppo = build_graph(load_config(base_file, ["algorithm.name=ppo", "algorithm.kl_coef=0.1", "models.critic.path=c",
+    ppo = build_graph(load_config(base_file, ["algorithm.name=ppo", "algorithm.kl.coef=0.1", "models.critic.path=c",
                                               "models.ref.path=r"]))
     assert [c.name for c in ppo.order] == ["actor_gen", "reward_fn", "ref_inf", "critic_inf", "actor_train",
                                           "critic_train"]
@@ -65,7 +72,7 @@ def model() -> ModelConfig:
 
 
 def test_plan_round_trip_and_validation(base_file):
-    graph = build_graph(load_config(base_file, ["algorithm.kl_coef=0.1", "models.ref.path=r"]))
+    graph = build_graph(load_config(base_file, ["algorithm.kl.coef=0.1", "models.ref.path=r"]))
     models = {"actor": model(), "ref": model()}
     plan = symmetric_plan(graph, 4, tp=2)
     plan.validate(graph, models, 4)

@@ -85,13 +85,14 @@ def check_shared_prompts() -> None:
 def check_engine(path: str) -> None:
     """Greedy and sampled generation with the Triton kernel equal the torch path's."""
     from gen_helpers import local_model, prompts
-    from shardflow.engine.generate.engine import Engine, EngineConfig
+
+    from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
     from shardflow.engine.generate.requests import SamplingParams, make_requests
 
     model = local_model(path)
     outputs = {}
     for attention in ("torch", "triton"):
-        engine = Engine(model, EngineConfig(max_seq_len=48, attention=attention), eos_token_ids=())
+        engine = GenerationEngine(model, EngineConfig(max_seq_len=48, attention=attention), eos_token_ids=())
         requests = make_requests(prompts()[2:], [SamplingParams(max_new_tokens=3, temperature=t, seed=1)
                                                  for t in (0.0, 1.0)])
         engine.generate(requests)
@@ -108,13 +109,14 @@ def check_engine_sharing_prompts(path: str) -> None:
     from dataclasses import replace
 
     from gen_helpers import local_model, prompts
-    from shardflow.engine.generate.engine import Engine, EngineConfig
+
+    from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
     from shardflow.engine.generate.requests import SamplingParams, make_requests
 
     model = local_model(path)
     outputs = {}
     for attention in ("torch", "triton"):
-        engine = Engine(model, EngineConfig(max_seq_len=48, attention=attention, share_prompt_kv=True),
+        engine = GenerationEngine(model, EngineConfig(max_seq_len=48, attention=attention, share_prompt_kv=True),
                         eos_token_ids=())
         shared = []  # the longest shared prompt each decode step passed to the attention
         inner = engine.attention

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gen_helpers import hf_greedy, hf_logprobs, local_model, prompts
-from shardflow.engine.generate.engine import Engine, EngineConfig
+
+from shardflow.config.model import ModelConfig
+from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
 from shardflow.engine.generate.kv_cache import KVCache, bytes_per_slot
 from shardflow.engine.generate.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
-from shardflow.config.model import ModelConfig
 from shardflow.models.transformer import build_model
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for
@@ -24,7 +24,7 @@ def llama(checkpoints):
 
 
 def run(model, prompt_ids, *, config=EngineConfig(max_seq_len=64), eos=(2,), **params):
-    engine = Engine(model, config, eos_token_ids=eos)
+    engine = GenerationEngine(model, config, eos_token_ids=eos)
     requests = make_requests(prompt_ids, SamplingParams(**params))
     engine.generate(requests)
     return requests, engine
@@ -70,7 +70,7 @@ def test_the_host_reads_each_step_while_the_next_one_runs(llama):
     [r], engine = run(model, [prompt], eos=(), max_new_tokens=end + 1, **GREEDY)
     assert r.output_ids == expected[:end + 1] and len(engine.stats.decode_steps) == end  # none wasted
 
-    engine = Engine(model, EngineConfig(max_seq_len=64), eos_token_ids=())
+    engine = GenerationEngine(model, EngineConfig(max_seq_len=64), eos_token_ids=())
     [r] = make_requests([prompt], SamplingParams(max_new_tokens=12, **GREEDY))
     engine.submit([r])
     engine.step()  # prefill (the first token), then decode step 1 launched
@@ -96,7 +96,7 @@ def test_requests_wait_for_slots_and_the_batch_shrinks_as_they_finish(llama):
     lengths = [3, 9, 5, 7, 4]
     max_len = 63
     budget = 3 * bytes_per_slot(model.shard, model.cfg, max_len, torch.float32)  # two slots + scratch
-    engine = Engine(model, EngineConfig(max_seq_len=64, kv_cache_bytes=budget), eos_token_ids=())
+    engine = GenerationEngine(model, EngineConfig(max_seq_len=64, kv_cache_bytes=budget), eos_token_ids=())
     assert engine.cache.num_slots == 2
     requests = [Request(request_id=i, group=i, prompt_ids=p, params=SamplingParams(max_new_tokens=n, **GREEDY),
                         seed=0) for i, (p, n) in enumerate(zip(ids, lengths))]
@@ -120,7 +120,7 @@ def test_a_moved_request_recomputes_its_cache_and_continues(llama):
                     seed=0, output_ids=expected[:4], output_logprobs=lp[:4].tolist())
     fresh = Request(request_id=1, group=0, prompt_ids=prompt, params=SamplingParams(max_new_tokens=10, **GREEDY),
                     seed=0)
-    Engine(model, EngineConfig(max_seq_len=64), eos_token_ids=()).generate([moved, fresh])
+    GenerationEngine(model, EngineConfig(max_seq_len=64), eos_token_ids=()).generate([moved, fresh])
     for r in (moved, fresh):
         assert r.output_ids == expected
         torch.testing.assert_close(torch.tensor(r.output_logprobs), lp, atol=1e-4, rtol=0)
@@ -133,9 +133,9 @@ def test_evicted_requests_continue_in_another_engine(llama):
     ids = prompts()[:3]
     params = [SamplingParams(max_new_tokens=9, **GREEDY), SamplingParams(max_new_tokens=9, temperature=1.0, seed=4)]
     reference = make_requests(ids, params + params[:1], 2)
-    Engine(model, EngineConfig(max_seq_len=64), eos_token_ids=()).generate(reference)
+    GenerationEngine(model, EngineConfig(max_seq_len=64), eos_token_ids=()).generate(reference)
 
-    first = Engine(model, EngineConfig(max_seq_len=64, max_batch_size=4), eos_token_ids=())
+    first = GenerationEngine(model, EngineConfig(max_seq_len=64, max_batch_size=4), eos_token_ids=())
     requests = make_requests(ids, params + params[:1], 2)
     first.submit(requests)
     for _ in range(4):
@@ -143,7 +143,7 @@ def test_evicted_requests_continue_in_another_engine(llama):
     moved = first.evict()
     assert sorted(r.request_id for r in moved) == list(range(6)) and not first.busy
     assert first.cache.num_free == 4 and any(r.output_ids for r in moved) and any(not r.output_ids for r in moved)
-    Engine(model, EngineConfig(max_seq_len=64), eos_token_ids=()).generate(moved)
+    GenerationEngine(model, EngineConfig(max_seq_len=64), eos_token_ids=()).generate(moved)
     for r, ref in zip(requests, reference):
         assert r.output_ids == ref.output_ids and r.finish_reason == ref.finish_reason
         torch.testing.assert_close(torch.tensor(r.output_logprobs), torch.tensor(ref.output_logprobs), atol=1e-4,
@@ -166,7 +166,7 @@ def test_samples_of_a_prompt_share_its_prefill(llama, samples):
     each continue as transformers does."""
     path, model = llama
     ps = prompts()[:3]
-    engine = Engine(model, EngineConfig(max_seq_len=64), eos_token_ids=())
+    engine = GenerationEngine(model, EngineConfig(max_seq_len=64), eos_token_ids=())
     requests = []
     for i, n in enumerate(samples):
         for r in make_requests([ps[i]], SamplingParams(max_new_tokens=6, **GREEDY), samples_per_prompt=n):
@@ -182,7 +182,7 @@ def test_steps_read_shared_prompts_only_when_rows_share_one(llama):
     """Decode steps pass prompt groups to the attention only while some row belongs to one (a step
     where none does is specialised without the prompt pass)."""
     _, model = llama
-    engine = Engine(model, EngineConfig(max_seq_len=48, share_prompt_kv=True), eos_token_ids=())
+    engine = GenerationEngine(model, EngineConfig(max_seq_len=48, share_prompt_kv=True), eos_token_ids=())
     seen = []
     inner = engine.attention
     engine.attention = lambda *args: (seen.append(args[6] is not None), inner(*args))[1]
@@ -218,11 +218,11 @@ def test_refusals(llama, checkpoints):
     cfg = model.cfg
     stage = build_model(cfg, shard_for(cfg, Layout((0, 1), pp=2), 0), None, "cpu", torch.float32)
     with pytest.raises(ValueError, match="pipeline parallelism is not supported"):
-        Engine(stage)
+        GenerationEngine(stage)
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
-        Engine(model, EngineConfig(max_seq_len=cfg.max_position_embeddings + 1))
+        GenerationEngine(model, EngineConfig(max_seq_len=cfg.max_position_embeddings + 1))
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
-        Engine(model, EngineConfig(cuda_graphs=True))
+        GenerationEngine(model, EngineConfig(cuda_graphs=True))
     with pytest.raises(ValueError, match="attention must be one of"):
         EngineConfig(attention="flash")
     with pytest.raises(ValueError, match="top_p"):
@@ -237,4 +237,4 @@ def test_blas_library_is_checked_before_work_starts(checkpoints):
         EngineConfig(blas_library="mkl")
     model = local_model(checkpoints.get("llama", "llama"))
     with pytest.raises(ValueError, match="blas_library 'cublaslt' needs a CUDA device; the model is on cpu"):
-        Engine(model, EngineConfig(max_seq_len=32, blas_library="cublaslt"))
+        GenerationEngine(model, EngineConfig(max_seq_len=32, blas_library="cublaslt"))

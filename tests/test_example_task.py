@@ -8,10 +8,11 @@ import re
 
 import torch
 
-from shardflow.config.settings import DataConfig, load_config
+from shardflow.config.experiment import DataConfig
+from shardflow.config.load import load_config
 from shardflow.data.prompts import load_prompts
 from shardflow.examples import arithmetic
-from shardflow.rl.rewards import math_score
+from shardflow.rl.rewards.math_answer import math_score
 
 
 def test_shipped_files_are_what_the_generator_writes(tmp_path):

@@ -9,11 +9,11 @@ import re
 
 import pytest
 import torch
+from gen_helpers import hf_greedy
 from transformers import AutoTokenizer
 
-from gen_helpers import hf_greedy
-from shardflow.cli.main import build_parser, main
 from shardflow.cli.generate import _rank_main, prepare
+from shardflow.cli.main import build_parser, main
 from shardflow.parallel.world import World
 
 MESSAGES = [{"role": "user", "content": "Say hi"}]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gen_helpers import hf_greedy, hf_logprobs, prompts
-from shardflow.engine.generate.engine import Engine, EngineConfig
+
+from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
 from shardflow.engine.generate.replicas import generate_replicated
 from shardflow.engine.generate.requests import SamplingParams, make_requests
 from shardflow.models.checkpoint import load_model
@@ -37,7 +37,7 @@ def generate_job(world, path: str, layout_texts: list[str], prompt_ids: list[lis
         if world.rank not in layout:
             continue
         model, _ = load_model(path, layout, world)
-        engine = Engine(model, EngineConfig(**engine_kwargs), eos_token_ids=model.cfg.eos_token_ids)
+        engine = GenerationEngine(model, EngineConfig(**engine_kwargs), eos_token_ids=model.cfg.eos_token_ids)
         requests = make_requests(prompt_ids, [SamplingParams(**p) for p in params], samples)
         done = generate_replicated(engine, layout, world, requests)
         if done is not None:
@@ -122,7 +122,7 @@ def collectives_job(world, path: str):
     if world.rank not in layout:
         return None
     model, _ = load_model(path, layout, world)
-    engine = Engine(model, EngineConfig(max_seq_len=32), eos_token_ids=())
+    engine = GenerationEngine(model, EngineConfig(max_seq_len=32), eos_token_ids=())
     counts = {}
     for name, params in (("greedy", dict(temperature=0.0)), ("top_k", dict(temperature=1.0, top_k=5))):
         engine.submit(make_requests(prompts()[:2], SamplingParams(max_new_tokens=4, **params)))

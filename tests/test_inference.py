@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from train_reference import make_batch, reference_outputs, replica_share
 
 from shardflow.data.batch import SequenceBatch
 from shardflow.engine.inference import infer
 from shardflow.models.checkpoint import load_model
 from shardflow.parallel.layout import Layout
-
-from train_reference import make_batch, reference_outputs, replica_share
 
 TEMPERATURE = 0.7
 CASES = {

@@ -9,9 +9,9 @@ import torch.distributed as dist
 
 from shardflow.config.model import ModelConfig
 from shardflow.models.tiny import tiny_hf_config
+from shardflow.parallel.launch import RankFailed, launch
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import padded_vocab_size, shard_for, stage_layers
-from shardflow.parallel.launch import RankFailed, launch
 
 
 def _rank_one_fails(world) -> None:

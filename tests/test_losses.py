@@ -8,10 +8,19 @@ import math
 import pytest
 import torch
 
+from shardflow.config.experiment import AlgorithmConfig, KLConfig
 from shardflow.data.batch import SequenceBatch
-from shardflow.config.settings import AlgorithmConfig
-from shardflow.rl.losses import (ActorLoss, CriticLoss, actor_loss, aggregate, approx_kl, clipped_surrogate,
-                                 clipped_value_loss, kl_penalty, normalizer_count)
+from shardflow.rl.losses import (
+    ActorLoss,
+    CriticLoss,
+    actor_loss,
+    aggregate,
+    approx_kl,
+    clipped_surrogate,
+    clipped_value_loss,
+    kl_penalty,
+    normalizer_count,
+)
 
 LN2 = math.log(2.0)
 
@@ -158,11 +167,11 @@ def test_actor_loss_terms_by_hand():
 
 
 def test_actor_loss_from_config_leaves_reward_kl_out_of_the_loss():
-    algo = AlgorithmConfig(name="ppo", kl_coef=0.1, kl_in_reward=True, clip_eps=0.1, clip_eps_high=0.3,
+    algo = AlgorithmConfig(name="ppo", kl=KLConfig(coef=0.1, in_reward=True), clip_eps=0.1, clip_eps_high=0.3,
                            loss_agg="seq-mean-token-sum")
-    fn = actor_loss(algo, kl_coef=0.05)
+    fn = actor_loss(algo, 0.05)
     assert fn.kl_coef == 0.0 and fn.clip_eps_high == 0.3 and fn.loss_agg == "seq-mean-token-sum"
-    assert actor_loss(AlgorithmConfig(kl_coef=0.1), kl_coef=0.05).kl_coef == 0.05
+    assert actor_loss(AlgorithmConfig(kl=KLConfig(coef=0.1)), 0.05).kl_coef == 0.05
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])

@@ -74,14 +74,14 @@ def test_resumed_logger_drops_what_came_after_the_checkpoint(tmp_path):
 def test_iteration_summary_splits_generation_time():
     """A generate call's time is reported as setup, prefill and decode (the sum and the median
     step) of its slowest rank, under the call's name."""
-    from shardflow.config.settings import load_config
+    from shardflow.config.load import load_config
     from shardflow.plan.execution_plan import symmetric_plan
-    from shardflow.rl.graphs import build_graph
-    from shardflow.runtime.calls import CallReport
+    from shardflow.runtime.calls.context import CallReport
     from shardflow.runtime.report import merge_reports
+    from shardflow.runtime.validate import check_config
 
     config = load_config(None, base={"models": {"actor": {"path": "x"}}, "data": {"path": "x"}})
-    graph = build_graph(config)
+    _, graph = check_config(config)
     gen = next(c for c in graph.model_calls() if c.kind.name == "GENERATE")
     plan = symmetric_plan(graph, 2)
 

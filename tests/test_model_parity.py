@@ -6,8 +6,8 @@ import pytest
 import torch
 import transformers
 
-from shardflow.models.checkpoint import load_model
 from shardflow.engine.inference import hidden_states
+from shardflow.models.checkpoint import load_model
 from shardflow.parallel import comm
 from shardflow.parallel.layout import Layout
 

@@ -10,12 +10,12 @@ import yaml
 
 from shardflow.cli.main import main
 from shardflow.config.model import ModelConfig
-from shardflow.plan.execution_plan import ExecutionPlan
 from shardflow.perf.hardware import Cluster
 from shardflow.perf.profile import OpCosts, Profile
+from shardflow.plan.execution_plan import ExecutionPlan
 from shardflow.profiler.measure import measure_links
 from shardflow.rl.graph import Call, Graph, Kind
-from shardflow.rl.graphs import build_graph
+from shardflow.runtime.validate import check_config
 
 SMALL = {"architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "num_hidden_layers": 8,
          "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 2816, "vocab_size": 32000}
@@ -27,7 +27,7 @@ def experiment(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps({**SMALL, "architectures": [arch], "num_labels": 1}))
     config = {
-        "algorithm": {"name": "ppo", "batch_size": 32, "kl_coef": 0.1},
+        "algorithm": {"name": "ppo", "batch_size": 32, "kl": {"coef": 0.1}},
         "models": {"actor": {"path": "policy"}, "ref": {"path": "policy"}, "critic": {"path": "value"}},
         "data": {"path": "prompts.jsonl", "max_prompt_tokens": 256},
         "generation": {"max_new_tokens": 256},
@@ -44,13 +44,13 @@ def test_plan_command_writes_a_valid_plan_and_a_picture(experiment, tmp_path, ca
     for needle in ("actor_gen", "critic_train", "estimated iteration", "symmetric baseline", "heuristic baseline"):
         assert needle in text
     plan = ExecutionPlan.load(out / "plan.yaml")
-    from shardflow.config.settings import load_config
+    from shardflow.config.load import load_config
 
     config = load_config(experiment)
     models = {"actor": ModelConfig.from_pretrained(tmp_path / "policy"),
               "ref": ModelConfig.from_pretrained(tmp_path / "policy"),
               "critic": ModelConfig.from_pretrained(tmp_path / "value")}
-    plan.validate(build_graph(config), models, 4)
+    plan.validate(check_config(config)[1], models, 4)
     assert plan.notes["estimated_iteration_s"] > 0 and set(plan.notes["baselines_s"]) == {"symmetric", "heuristic"}
     assert (out / "plan.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -68,7 +68,7 @@ def test_plan_command_refuses_bad_input(experiment, tmp_path, capsys):
     assert main(["plan", str(experiment), f"models.actor.path={big}", "--devices", "1", "--out", out]) == 2
     assert "model 'actor'" in capsys.readouterr().err
     assert main(["plan", str(experiment), "models.ref.path=nowhere", "--devices", "2", "--out", out]) == 2
-    assert "no config.json for model path 'nowhere'" in capsys.readouterr().err
+    assert "models.ref.path: no config.json at" in capsys.readouterr().err
 
 
 def test_unreachable_clusters_and_cyclic_graphs_are_named():

@@ -10,17 +10,17 @@ import pytest
 from planner_cases import llama, small_problem, tiny
 
 from shardflow.config.model import ModelConfig
+from shardflow.engine.generate.decode_weights import make_decode_weights
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for
+from shardflow.perf.hardware import Cluster
+from shardflow.perf.profile import OpCosts, Profile, Table
+from shardflow.perf.transfer import realloc_seconds, received_bytes
 from shardflow.plan import memory as mem
 from shardflow.plan.cost import CostModel
 from shardflow.plan.estimate import estimate
-from shardflow.perf.hardware import Cluster
 from shardflow.plan.problem import Choice
-from shardflow.perf.profile import OpCosts, Profile, Table
-from shardflow.perf.transfer import realloc_seconds, received_bytes
 from shardflow.plan.workload import Workload
-from shardflow.engine.generate.decode_weights import make_decode_weights
 
 
 class LinearOps(OpCosts):

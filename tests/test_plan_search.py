@@ -6,10 +6,10 @@ import pytest
 import yaml
 from planner_cases import grpo_graph, llama, small_problem
 
+from shardflow.perf.hardware import Cluster
 from shardflow.plan.baselines import heuristic, symmetric
 from shardflow.plan.estimate import estimate, from_execution_plan, to_execution_plan
 from shardflow.plan.execution_plan import ExecutionPlan
-from shardflow.perf.hardware import Cluster
 from shardflow.plan.problem import Problem
 from shardflow.plan.search import SearchOptions, exhaustive, mcmc
 from shardflow.plan.space import Space, device_sets

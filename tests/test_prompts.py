@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from shardflow.config.settings import DataConfig
+from shardflow.config.experiment import DataConfig
 from shardflow.data.prompts import PromptSampler, load_prompts, prompt_batch
 from shardflow.models.tiny import char_tokenizer
 

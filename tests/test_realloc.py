@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardflow.models.checkpoint import load_model
 from shardflow.config.model import ModelConfig
+from shardflow.models.checkpoint import load_model
+from shardflow.models.reallocate import reallocate_model
 from shardflow.models.transformer import build_model
 from shardflow.parallel import comm
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.offload import has_storage
-from shardflow.models.reallocate import reallocate_model
 from shardflow.parallel.realloc import reallocate
 from shardflow.parallel.realloc_plan import transfer_plan
 from shardflow.parallel.sharding import shard_for

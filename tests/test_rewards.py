@@ -7,11 +7,13 @@ import textwrap
 import pytest
 import torch
 
+from shardflow.config.experiment import RewardConfig
 from shardflow.data.batch import SequenceBatch
-from shardflow.config.settings import RewardConfig
 from shardflow.models.tiny import EOS_ID, char_tokenizer
-from shardflow.rl.rewards import (extract_answer, last_boxed, last_token_scores, load_reward_function,
-                                  math_score, reward_function, score_batch)
+from shardflow.rl.rewards import reward_function
+from shardflow.rl.rewards.math_answer import extract_answer, last_boxed, math_score
+from shardflow.rl.rewards.scoring import last_token_scores, score_batch
+from shardflow.rl.rewards.user import load_reward_function
 
 
 def test_extract_answer():

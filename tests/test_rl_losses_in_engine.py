@@ -11,16 +11,16 @@ import torch
 pytest.importorskip("shardflow.engine.train.engine", reason="needs the training engine")
 train_reference = pytest.importorskip("train_reference", reason="needs the training-engine test helpers")
 
-from shardflow.engine.train.optimizer import OptimConfig  # noqa: E402
+from shardflow.config.experiment import OptimConfig  # noqa: E402
+from shardflow.config.model import ModelConfig  # noqa: E402
 from shardflow.engine.train.engine import TrainEngine  # noqa: E402
 from shardflow.models.checkpoint import load_model  # noqa: E402
-from shardflow.config.model import ModelConfig  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.rl.losses import ActorLoss, CriticLoss  # noqa: E402
 
 # large eps: Adam's first update lr * g / (|g| + eps) then follows g instead of sign(g), so a
 # wrongly scaled gradient cannot pass, and float32 rounding is not amplified by lr / eps
-OPTIM = OptimConfig(lr=1e-2, eps=1e-2, weight_decay=0.0, max_grad_norm=1e4)
+OPTIM = OptimConfig(lr=1e-2, eps=1e-2, weight_decay=0.0, grad_clip=1e4)
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 LAYOUTS = ("d2p2t2@0-7", "d2p1t1@0-1")
 

@@ -4,12 +4,23 @@ seeds reproduce; and the engine samples from the softmax the model defines."""
 from __future__ import annotations
 
 import torch
-
 from gen_helpers import hf_model, local_model
-from shardflow.engine.generate.engine import Engine, EngineConfig
+
+from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
 from shardflow.engine.generate.requests import SamplingParams, make_requests
-from shardflow.engine.generate.sampling import (FILTER, GREEDY, SAMPLE, SamplingTensors, local_candidates, pick, sample,
-                                       scaled_logits, truncation_mask, uniform_noise, unit_interval)
+from shardflow.engine.generate.sampling import (
+    FILTER,
+    GREEDY,
+    SAMPLE,
+    SamplingTensors,
+    local_candidates,
+    pick,
+    sample,
+    scaled_logits,
+    truncation_mask,
+    uniform_noise,
+    unit_interval,
+)
 
 P_MIN = 1e-3  # every distribution test below is deterministic (fixed seeds); a wrong sampler fails it
 
@@ -131,7 +142,7 @@ def test_engine_samples_from_the_models_softmax(checkpoints):
     softmax(logits / T) of transformers, and so does the second given the first."""
     path = checkpoints.get("vocab8", "llama", vocab_size=8, with_tokenizer=False)
     prompt, temperature, n = [3, 4, 5, 6, 7, 3], 0.9, 3000
-    engine = Engine(local_model(path), EngineConfig(max_seq_len=16))
+    engine = GenerationEngine(local_model(path), EngineConfig(max_seq_len=16))
     params = SamplingParams(max_new_tokens=2, temperature=temperature, seed=11, ignore_eos=True)
     requests = engine.generate(make_requests([prompt], params, n))
     first = torch.tensor([r.output_ids[0] for r in requests])

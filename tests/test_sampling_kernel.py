@@ -12,8 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardflow.engine.generate.sampling import (GREEDY, SAMPLE, SamplingTensors, gumbel_noise, local_candidates, noise_bits,
-                                       pick, sample, scaled_logits, uniform_noise, unit_interval)
+from shardflow.engine.generate.sampling import (
+    GREEDY,
+    SAMPLE,
+    SamplingTensors,
+    gumbel_noise,
+    local_candidates,
+    noise_bits,
+    pick,
+    sample,
+    scaled_logits,
+    uniform_noise,
+    unit_interval,
+)
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402

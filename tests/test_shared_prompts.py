@@ -8,18 +8,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from test_inference import infer_job
+from train_reference import make_group_batch, reference_outputs, replica_share
 
 from shardflow.data.batch import SequenceBatch
 from shardflow.engine.inference import infer
-from shardflow.engine.shared_prompts import (MIN_SAVING, SharedRow, group_by_prompt, make_shared_micro_batches,
-                                            plan_micro_batches, split_rows)
+from shardflow.engine.shared_prompts import (
+    MIN_SAVING,
+    SharedRow,
+    group_by_prompt,
+    make_shared_micro_batches,
+    plan_micro_batches,
+    split_rows,
+)
 from shardflow.models.checkpoint import load_model
 from shardflow.models.packed_attention import PackedSequences, gather_keys, packed_attention
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
-
-from test_inference import infer_job
-from train_reference import make_group_batch, reference_outputs, replica_share
 
 BUDGET = 40  # packed tokens per micro-batch: prompts with four samples need two rows
 

@@ -14,13 +14,13 @@ import transformers
 import yaml
 
 from shardflow.cli.main import main
-from shardflow.config.settings import load_config
+from shardflow.config.load import load_config
 from shardflow.examples.arithmetic import example_config
 
 
 def train_job(world, raw: dict, overrides: list[str]):
-    from shardflow.runtime.validate import prepare
     from shardflow.runtime.driver import train_rank
+    from shardflow.runtime.validate import prepare
 
     train_rank(world, prepare(load_config(None, overrides, base=raw)))
 
@@ -74,7 +74,7 @@ def test_ppo_with_critic_reward_model_and_kl_in_reward(pool, checkpoints, exampl
         "actor_gen": "d2p1t2@0-3", "reward_inf": "d1p1t1@4", "ref_inf": "d1p2t1@5-6",
         "critic_inf": "d2p1t1@6-7", "actor_train": "d1p2t2@0-3", "critic_train": "d2p1t2@4-7"}}))
     out = tmp_path / "ppo"
-    pool.run(train_job, raw, ["algorithm.name=ppo", "algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true",
+    pool.run(train_job, raw, ["algorithm.name=ppo", "algorithm.kl.coef=0.05", "algorithm.kl.in_reward=true",
                               "algorithm.mini_batches=2", "run.iterations=2", "run.devices=8", f"plan={plan}",
                               f"run.out_dir={out}", "run.progress=false", "run.tensorboard=false"])
     for m in metrics(out):

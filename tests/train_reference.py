@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shardflow.data.batch import SequenceBatch
-from shardflow.engine.train.optimizer import OptimConfig, lr_at
+from shardflow.config.experiment import OptimConfig
 from shardflow.config.model import ModelConfig
+from shardflow.data.batch import SequenceBatch
+from shardflow.engine.train.optimizer import lr_at
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for
 
@@ -115,13 +116,13 @@ def reference_step(path: str, batch: SequenceBatch, loss_fn, optim: OptimConfig,
     loss, _ = loss_fn(reference_outputs(model, batch, value_head), batch, loss_fn.normalizer(batch))
     loss.backward()
     params = dict(model.named_parameters())  # a tied head appears once, as the embedding
-    norm = torch.nn.utils.clip_grad_norm_(list(params.values()), optim.max_grad_norm)
+    norm = torch.nn.utils.clip_grad_norm_(list(params.values()), optim.grad_clip or float("inf"))
     grads = {n: p.grad.clone() for n, p in params.items()}
     groups = [
         {"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": optim.weight_decay},
         {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
     ]
-    torch.optim.AdamW(groups, lr=lr_at(optim, 1), betas=optim.betas, eps=optim.eps, foreach=False).step()
+    torch.optim.AdamW(groups, lr=lr_at(optim, 1), betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=False).step()
     weights = {n: p.detach().clone() for n, p in params.items()}
     return weights, grads, {"loss": loss.item(), "grad_norm": float(norm)}
 

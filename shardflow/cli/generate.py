@@ -22,9 +22,9 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from shardflow.config.experiment import BLAS_LIBRARIES, COMPILE_MODES
 from shardflow.config.model import ModelConfig
-from shardflow.config.settings import BLAS_LIBRARIES, COMPILE_MODES
-from shardflow.engine.generate.engine import Engine, EngineConfig
+from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
 from shardflow.engine.generate.replicas import generate_replicated
 from shardflow.engine.generate.requests import Request, SamplingParams, make_requests
 from shardflow.models.checkpoint import load_model
@@ -179,7 +179,7 @@ def _rank_main(world, job: Job) -> None:
     writer = None
     if world.rank == layout.ranks[0]:
         writer = OutputWriter(job)
-    engine = Engine(model, job.engine, eos_token_ids=eos_token_ids(job.model, model.cfg))
+    engine = GenerationEngine(model, job.engine, eos_token_ids=eos_token_ids(job.model, model.cfg))
     try:
         groups = job.chunk_prompts * job.samples_per_prompt
         for start in range(0, len(job.requests), groups):

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardflow.config.settings import load_config
+from shardflow.config.load import load_config
 from shardflow.parallel.layout import format_ranks
 from shardflow.perf.hardware import Cluster
 from shardflow.perf.profile import Profile
@@ -22,6 +22,7 @@ from shardflow.plan.problem import Plan, Problem, describe_models, problem_from_
 from shardflow.plan.search import SearchOptions, SearchResult, exhaustive, mcmc
 from shardflow.plan.space import Space
 from shardflow.plan.timeline import draw_timeline
+from shardflow.runtime.validate import check_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,11 +71,12 @@ def plan_experiment(config_path: str, overrides: list[str] = (), *, devices: int
                     response_mean: float | None = None, response_std: float | None = None,
                     iterations: int = 3, echo=print) -> PlanOutcome:
     config = load_config(config_path, list(overrides))
+    check_config(config)
     if devices is None and nodes is None:
         devices = config.run.devices
     cluster = Cluster.for_devices(devices, nodes=nodes, gpus_per_node=gpus_per_node)
     prof = Profile.load(profile) if profile else None
-    problem = problem_from_config(config, cluster, config_file=config_path, profile=prof,
+    problem = problem_from_config(config, cluster, profile=prof,
                                   prompt_tokens=prompt_tokens, response_mean=response_mean,
                                   response_std=response_std, iterations=iterations)
     space = Space(problem)

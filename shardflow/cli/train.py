@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-from shardflow.config.settings import describe, load_config, parse_override
+from shardflow.config.experiment import ExperimentConfig
+from shardflow.config.load import load_config, parse_override
+from shardflow.config.schema import describe
 from shardflow.examples.arithmetic import example_config
 from shardflow.parallel.launch import launch
+from shardflow.rl.algorithms import ALGORITHMS
+from shardflow.rl.rewards import REWARD_KINDS
 from shardflow.runtime.driver import train_rank
 from shardflow.runtime.validate import prepare
 
@@ -24,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     if args.help_config:
-        print("\n".join(describe()))
+        print("\n".join(describe(ExperimentConfig, choices={"algorithm.name": ALGORITHMS, "reward.kind": REWARD_KINDS})))
         return
     files = [a for a in args.args if "=" not in a]
     overrides = [a for a in args.args if "=" in a]

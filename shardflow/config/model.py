@@ -135,11 +135,13 @@ class ModelConfig:
     # ----- reading --------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, path: str | Path, *, key: str = "") -> "ModelConfig":
+        """``path``'s config.json (or ``path`` itself, a JSON file); ``key``: the setting that
+        named it, for the error when there is none."""
         path = Path(path)
         config_file = path / "config.json" if path.is_dir() else path
         if not config_file.is_file():
-            raise FileNotFoundError(f"no config.json at {config_file}")
+            raise FileNotFoundError(f"{key + ': ' if key else ''}no config.json at {config_file}")
         try:
             raw = json.loads(config_file.read_text())
         except json.JSONDecodeError as e:

@@ -16,8 +16,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from shardflow.config.experiment import DataConfig
 from shardflow.data.batch import SequenceBatch
-from shardflow.config.settings import DataConfig
 
 
 @dataclass(frozen=True, kw_only=True)

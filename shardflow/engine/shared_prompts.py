@@ -23,8 +23,6 @@ from shardflow.models.packed_attention import PackedSequences
 from shardflow.perf.sharing import MIN_SAVING
 
 
-
-
 def plan_micro_batches(batch: SequenceBatch, max_tokens: int, device: torch.device, *, min_micro_batches: int = 1,
                        outputs_at: str | None = None, share_prompts: bool = False,
                        ) -> tuple[list[list[int]], list[MicroBatch]]:

@@ -20,7 +20,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardflow.config.settings import DataConfig
+from shardflow.config.experiment import DataConfig
 from shardflow.data.prompts import load_prompts
 from shardflow.models.tiny import char_tokenizer, make_tiny_checkpoint
 

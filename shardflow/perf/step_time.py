@@ -30,6 +30,9 @@ import numpy as np
 from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import EMBED, shard_for
+from shardflow.perf.hardware import Cluster
+from shardflow.perf.profile import FORMAT as PROFILE_FORMAT
+from shardflow.perf.profile import OpCosts, Profile
 
 FORMAT = "shardflow-decode-steps/1"
 
@@ -209,3 +212,27 @@ class LayerStepTime:
 
     def prefill(self, tp: int, tokens: float, context: float) -> float:
         return self.roofline.prefill(tp, tokens, context)
+
+
+def load_step_times(path: str, cfg: ModelConfig, dtype_bytes: int) -> tuple[StepTimeModel, Hardware]:
+    """The step-time model and hardware rates from ``path`` (a planner profile or measured decode
+    steps), or the roofline of an H200 when ``path`` is empty."""
+    if not path:
+        return RooflineStepTime(cfg, dtype_bytes=dtype_bytes), Hardware()
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"adaptive TP step-time file {file} does not exist")
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"adaptive TP step-time file {file} is not valid JSON: {e}") from None
+    if isinstance(raw, dict) and raw.get("format") == PROFILE_FORMAT:
+        profile = Profile.from_dict(raw, where=f"profile file {file}")
+        cluster = profile.cluster(Cluster())
+        hardware = Hardware(hbm_bandwidth=cluster.hbm_bandwidth, matmul_flops=cluster.matmul_flops,
+                            bus_bandwidth=cluster.intra_node_bandwidth, p2p_bandwidth=cluster.p2p_bandwidth,
+                            collective_latency=cluster.intra_node_latency)
+        costs = OpCosts(cluster, profile)
+        return LayerStepTime(lambda tp, batch, context: costs.decode_layer(cfg, tp, batch, context),
+                             RooflineStepTime(cfg, hardware, dtype_bytes=dtype_bytes)), hardware
+    return TableStepTime.load(file, RooflineStepTime(cfg, dtype_bytes=dtype_bytes)), Hardware()

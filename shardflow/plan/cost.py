@@ -20,12 +20,12 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from shardflow.perf.sharing import PROMPT_ROWS
 from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout
 from shardflow.perf.hardware import Cluster
-from shardflow.plan.memory import Precision, rank_params, stage_layer_count
 from shardflow.perf.profile import OpCosts
+from shardflow.perf.sharing import PROMPT_ROWS
+from shardflow.plan.memory import Precision, rank_params, stage_layer_count
 from shardflow.plan.workload import Workload
 
 

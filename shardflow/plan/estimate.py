@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shardflow.parallel.layout import Layout
+from shardflow.perf.hardware import GB
+from shardflow.perf.transfer import data_bytes, data_seconds, realloc_seconds
 from shardflow.plan import memory as mem
 from shardflow.plan.execution_plan import CallPlan, ExecutionPlan
-from shardflow.perf.hardware import GB
-from shardflow.parallel.layout import Layout
 from shardflow.plan.problem import Choice, Plan, Problem
 from shardflow.plan.simulator import SimCall, SimResult, simulate
-from shardflow.perf.transfer import data_bytes, data_seconds, realloc_seconds
 from shardflow.rl.graph import Call, Kind
 
 

@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from shardflow.config.settings import ExperimentConfig
+from shardflow.config.experiment import ExperimentConfig
 from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout
-from shardflow.plan.cost import CostModel
 from shardflow.perf.hardware import Cluster
-from shardflow.plan.memory import AnyLayout, Precision
 from shardflow.perf.profile import OpCosts, Profile
+from shardflow.plan.cost import CostModel
+from shardflow.plan.memory import AnyLayout, Precision
 from shardflow.plan.workload import Workload, workload_from_config
+from shardflow.rl.algorithms import algorithm_named
 from shardflow.rl.graph import Call, Graph, Kind
-from shardflow.rl.graphs import build_graph
 
 
 @dataclass(frozen=True)
@@ -98,27 +97,13 @@ class Problem:
         return min(k, self.replica_sequences(call, layout))
 
 
-def resolve_model_path(path: str, config_file: Path | None) -> Path:
-    """A model directory as written in the config: as given, or relative to the config file."""
-    candidates = [Path(path)]
-    if config_file is not None and not Path(path).is_absolute():
-        candidates.append(config_file.parent / path)
-    for c in candidates:
-        if (c / "config.json").is_file() or (c.is_file() and c.name.endswith(".json")):
-            return c
-    raise FileNotFoundError(f"no config.json for model path {path!r} (looked in: "
-                            f"{', '.join(str(c) for c in candidates)})")
-
-
-def problem_from_config(config: ExperimentConfig, cluster: Cluster, *, config_file: str | Path | None = None,
-                        profile: Profile | None = None, prompt_tokens: int | None = None,
-                        response_mean: float | None = None, response_std: float | None = None,
-                        iterations: int = 3) -> Problem:
+def problem_from_config(config: ExperimentConfig, cluster: Cluster, *, profile: Profile | None = None,
+                        prompt_tokens: int | None = None, response_mean: float | None = None,
+                        response_std: float | None = None, iterations: int = 3) -> Problem:
     """The problem an experiment poses: model shapes from each role's ``config.json`` (a
     directory holding only that file is enough), the workload from the config."""
-    graph = build_graph(config)
-    where = Path(config_file) if config_file is not None else None
-    models = {role: ModelConfig.from_pretrained(resolve_model_path(config.models[role].path, where))
+    graph = algorithm_named(config.algorithm.name).graph(config)
+    models = {role: ModelConfig.from_pretrained(config.models[role].path, key=f"models.{role}.path")
               for role in graph.models()}
     if profile is not None:
         cluster = profile.cluster(cluster)

@@ -15,8 +15,8 @@ from functools import cached_property, lru_cache
 from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import check_layout
-from shardflow.plan import memory as mem
 from shardflow.perf.hardware import GB, Cluster
+from shardflow.plan import memory as mem
 from shardflow.plan.memory import AnyLayout, Shape
 from shardflow.plan.problem import Choice, Problem
 from shardflow.rl.graph import Call, Kind

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from statistics import NormalDist
 
-from shardflow.config.settings import ExperimentConfig
+from shardflow.config.experiment import ExperimentConfig
 from shardflow.perf.sharing import MIN_SAVING
 
 
@@ -134,7 +134,7 @@ def workload_from_config(config: ExperimentConfig, *, prompt_tokens: int | None 
         max_new_tokens=gen.max_new_tokens,
         response_mean=mean,
         response_std=std,
-        train_steps=algo.epochs * algo.mini_batches,
+        train_steps=algo.updates_per_call,
         micro_batch_tokens=algo.micro_batch_tokens,
         share_prompts=algo.share_prompts,
         share_prompt_kv=gen.share_prompt_kv,

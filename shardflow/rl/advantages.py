@@ -5,8 +5,7 @@ group of the replicas (None when the share is the whole batch) and returns the s
 fields ``advantages`` (and ``returns`` where a critic is trained), zero outside ``loss_mask``.
 What needs the whole batch is exchanged over that group, and it is small: GRPO gathers one
 (prompt, reward) pair per sequence to see complete groups; whitening all-reduces three sums.
-Adding an algorithm (RLOO, ReMax) means writing one function ``(batch, algo, kl_coef, group) ->
-batch`` and registering it in ``ESTIMATORS``.
+Each algorithm (``rl.algorithms``) builds its estimator from these pieces.
 
 Rewards live in the seq field ``rewards`` (one scalar per sequence); per-token fields follow the
 shared alignment: ``values[t]`` is the value of the state before response token ``t``. The batch
@@ -17,16 +16,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from shardflow.config.experiment import KLConfig
 from shardflow.data.batch import SequenceBatch
-from shardflow.config.settings import AlgorithmConfig
 from shardflow.rl.losses import kl_penalty
-
 
 # ----- response tokens as a left-aligned [N, R] matrix ----------------------------------------
 
@@ -161,39 +158,6 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8,
     return (values - mean) * (1.0 / math.sqrt(var + eps)) * mask
 
 
-# ----- one entry point per algorithm ----------------------------------------------------------
-
-
-def _ppo(batch: SequenceBatch, algo: AlgorithmConfig, kl_coef: float, group: ProcessGroup | None) -> SequenceBatch:
-    out = gae(batch, gamma=algo.gamma, lam=algo.lam, kl_coef=kl_coef if algo.kl_in_reward else 0.0,
-              kl_estimator=algo.kl_estimator)
-    if algo.whiten_advantages:
-        advantages = whiten(out.token_fields["advantages"], out.token_fields["loss_mask"], group=group)
-        out = out.update({"advantages": advantages})
-    return out
-
-
-def _grpo(batch: SequenceBatch, algo: AlgorithmConfig, kl_coef: float, group: ProcessGroup | None) -> SequenceBatch:
-    return group_advantages(batch, std_normalize=algo.group_std_normalize, group=group)
-
-
-Estimator = Callable[[SequenceBatch, AlgorithmConfig, float, "ProcessGroup | None"], SequenceBatch]
-ESTIMATORS: dict[str, Estimator] = {
-    "ppo": _ppo,
-    "grpo": _grpo,
-}
-
-
-def compute_advantages(batch: SequenceBatch, algo: AlgorithmConfig, *, kl_coef: float = 0.0,
-                       group: ProcessGroup | None = None) -> SequenceBatch:
-    """The share with ``advantages`` (and, for PPO, ``returns``) for algorithm ``algo.name``;
-    ``kl_coef`` is the iteration's KL coefficient (used here when the KL is in the reward);
-    ``group``: the data-parallel replicas holding the rest of the batch (None: this is all of it)."""
-    if algo.name not in ESTIMATORS:
-        raise ValueError(f"no advantage estimator for algorithm {algo.name!r}; known: {', '.join(ESTIMATORS)}")
-    return ESTIMATORS[algo.name](batch, algo, kl_coef, group)
-
-
 # ----- KL coefficient -------------------------------------------------------------------------
 
 
@@ -216,8 +180,8 @@ class KLController:
     horizon: int = 10000
 
     @classmethod
-    def from_config(cls, algo: AlgorithmConfig) -> "KLController":
-        return cls(value=algo.kl_coef, target=algo.adaptive_kl_target, horizon=algo.adaptive_kl_horizon)
+    def from_config(cls, kl: KLConfig) -> "KLController":
+        return cls(value=kl.coef, target=kl.target, horizon=kl.horizon)
 
     def update(self, kl: float, num_samples: int) -> None:
         if self.target <= 0:

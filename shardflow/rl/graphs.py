@@ -1,4 +1,4 @@
-"""The dataflow graphs of PPO and GRPO, built from the experiment config.
+"""The calls every RL algorithm's graph shares: generation, reward and the reference model.
 
 Keys and what they hold in the iteration's SequenceBatch:
   prompts       (data) prompt token ids and reference answers
@@ -11,28 +11,30 @@ Advantages and returns are computed at the start of each train call from these k
 
 from __future__ import annotations
 
-from shardflow.config.settings import ExperimentConfig
-from shardflow.rl.graph import Call, Graph, Kind
+from typing import Sequence
+
+from shardflow.config.experiment import ExperimentConfig
+from shardflow.rl.graph import Call, Kind
+from shardflow.rl.rewards import reward_kind
 
 
 def reward_call(config: ExperimentConfig) -> Call:
-    if config.reward.kind == "model":
-        return Call("reward_inf", Kind.INFERENCE, "reward", ("responses",), ("rewards",))
+    """The reward of the responses: a function where they are held, or a reward model's call."""
+    model = reward_kind(config.reward.kind).model
+    if model is not None:
+        return Call("reward_inf", Kind.INFERENCE, model, ("responses",), ("rewards",))
     return Call("reward_fn", Kind.FUNCTION, None, ("responses",), ("rewards",))
 
 
-def build_graph(config: ExperimentConfig) -> Graph:
-    algo = config.algorithm
-    use_ref = algo.kl_coef > 0 or algo.adaptive_kl_target > 0
+def rollout_calls(config: ExperimentConfig) -> list[Call]:
+    """Generate with the actor, score, and (with a KL) the reference's log-probabilities."""
     calls = [Call("actor_gen", Kind.GENERATE, "actor", ("prompts",), ("responses",)), reward_call(config)]
-    train_inputs = ["responses", "rewards"]
-    if use_ref:
+    if config.algorithm.kl.used:
         calls.append(Call("ref_inf", Kind.INFERENCE, "ref", ("responses",), ("ref_logprobs",)))
-        train_inputs.append("ref_logprobs")
-    if algo.name == "ppo":
-        calls.append(Call("critic_inf", Kind.INFERENCE, "critic", ("responses",), ("values",)))
-        train_inputs.append("values")
-    calls.append(Call("actor_train", Kind.TRAIN, "actor", tuple(train_inputs)))
-    if algo.name == "ppo":
-        calls.append(Call("critic_train", Kind.TRAIN, "critic", tuple(train_inputs)))
-    return Graph(algo.name, tuple(calls))
+    return calls
+
+
+def train_call(model: str, calls: Sequence[Call]) -> Call:
+    """``model``'s train call, reading everything the rollout calls produced but the prompts."""
+    inputs = tuple(key for c in calls for key in c.outputs)
+    return Call(f"{model}_train", Kind.TRAIN, model, inputs)

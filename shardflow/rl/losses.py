@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardflow.config.experiment import AlgorithmConfig
 from shardflow.data.batch import SequenceBatch
-from shardflow.config.settings import AlgorithmConfig
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -218,14 +218,16 @@ class CriticLoss:
         return loss, stats
 
 
-def actor_loss(algo: AlgorithmConfig, *, kl_coef: float) -> ActorLoss:
-    """The actor loss of an ``AlgorithmConfig`` with the iteration's KL coefficient (it adapts)."""
+def actor_loss(algo: AlgorithmConfig, kl_coef: float) -> ActorLoss:
+    """The actor loss of an ``AlgorithmConfig`` with the iteration's KL coefficient (it adapts;
+    no loss term when the KL is in the reward)."""
     return ActorLoss(clip_eps=algo.clip_eps, clip_eps_high=algo.clip_eps_high,
-                     kl_coef=0.0 if algo.kl_in_reward else kl_coef, kl_estimator=algo.kl_estimator,
+                     kl_coef=0.0 if algo.kl.in_reward else kl_coef, kl_estimator=algo.kl.estimator,
                      entropy_coef=algo.entropy_coef, loss_agg=algo.loss_agg)
 
 
-def critic_loss(algo: AlgorithmConfig) -> CriticLoss:
+def critic_loss(algo: AlgorithmConfig, kl_coef: float = 0.0) -> CriticLoss:
+    """The critic's value loss (``kl_coef`` unused: the KL is the actor's)."""
     return CriticLoss(value_clip=algo.value_clip, loss_agg=algo.loss_agg)
 
 

@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardflow.config.experiment import ModelSpec
 from shardflow.config.model import ModelConfig
-from shardflow.config.settings import ModelSpec
 from shardflow.engine.train.engine import TrainEngine
-from shardflow.engine.train.optimizer import OptimConfig
 from shardflow.models.checkpoint import load_model
 from shardflow.models.reallocate import reallocate_model
 from shardflow.models.transformer import Transformer
@@ -60,14 +59,14 @@ class ModelSlot:
 
     @classmethod
     def load(cls, world: World, role: str, spec: ModelSpec, cfg: ModelConfig, home: Layout, *,
-             optim: OptimConfig | None) -> "ModelSlot":
-        """Load the checkpoint into the home layout; build the training engine if ``optim``."""
+             trained: bool) -> "ModelSlot":
+        """Load the checkpoint into the home layout; build the training engine if ``trained``."""
         slot = cls(world, role, spec, cfg, home, compute_dtype(spec, world.device))
         if world.rank in home:
             slot.home_model, _ = load_model(spec.path, home, world, slot.dtype, cfg=cfg)
             slot._maybe_compile(slot.home_model)
-            if optim is not None:
-                slot.engine = TrainEngine(slot.home_model, home, world, optim,
+            if trained:
+                slot.engine = TrainEngine(slot.home_model, home, world, spec.optim,
                                           gradient_checkpointing=spec.gradient_checkpointing)
             elif spec.offload:
                 slot.offloader = HostOffload(slot.home_model)

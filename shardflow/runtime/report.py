@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 
-from shardflow.config.settings import ExperimentConfig
+from shardflow.config.experiment import ExperimentConfig
 from shardflow.rl.graph import Graph, Kind
 from shardflow.runtime.metrics import rollout_metrics
 

@@ -1,7 +1,9 @@
-"""Everything a run needs, read and checked before any rank starts.
+"""Every check of a run's settings across fields, and of what they name, before any rank starts.
 
-Config errors (unknown keys, wrong types) come from ``load_config``; here come the ones that need
-files: model configs, the plan against the graph and the devices, the dataset's existence.
+Keys, types and single-field rules are checked when the settings are built (``config.load``);
+here come the rules that tie fields together (``check_config``) and those that need the files the
+settings name (``prepare``): model configs against their roles, the plan against the graph and
+the devices, the dataset, the reward function. Errors name the key and the value.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from pathlib import Path
 
 import torch
 
+from shardflow.config.experiment import ExperimentConfig
 from shardflow.config.model import ModelConfig
-from shardflow.config.settings import ExperimentConfig
 from shardflow.plan.execution_plan import ExecutionPlan, symmetric_plan
+from shardflow.rl.algorithms import algorithm_named
+from shardflow.rl.algorithms.base import Algorithm
 from shardflow.rl.graph import Graph, Kind
-from shardflow.rl.graphs import build_graph
-from shardflow.runtime.adaptive import check_adaptive
+from shardflow.rl.rewards import reward_function, reward_kind
 
 # Which model kind each role needs: a value head for critics and reward models.
 VALUE_ROLES = ("critic", "reward")
@@ -24,11 +27,47 @@ VALUE_ROLES = ("critic", "reward")
 
 @dataclass(frozen=True)
 class Prepared:
+    """Everything a run needs, read and checked before any rank starts."""
+
     config: ExperimentConfig
+    algorithm: Algorithm
     graph: Graph
     models: dict[str, ModelConfig]
     plan: ExecutionPlan
     backend: str
+
+
+def check_config(config: ExperimentConfig) -> tuple[Algorithm, Graph]:
+    """The rules across settings that need no file; returns the algorithm and its graph."""
+    algo = config.algorithm
+    algorithm = algorithm_named(algo.name)
+    reward_kind(config.reward.kind)
+    if algo.batch_size % algo.mini_batches:
+        raise ValueError(f"algorithm.mini_batches ({algo.mini_batches}) must divide algorithm.batch_size "
+                         f"({algo.batch_size})")
+    if algo.kl.target > 0 and algo.kl.coef <= 0:
+        raise ValueError(f"algorithm.kl.target needs a positive algorithm.kl.coef to start from, got {algo.kl.coef}")
+    algorithm.check(config)
+    graph = algorithm.graph(config)
+    need = list(graph.models())
+    for role in need:
+        if role not in config.models:
+            raise ValueError(f"models.{role} is required (algorithm {algo.name}, kl.coef {algo.kl.coef}, "
+                             f"reward {config.reward.kind})")
+        if not config.models[role].path:
+            raise ValueError(f"models.{role}.path is required")
+    extra = sorted(set(config.models) - set(need))
+    if extra:
+        raise ValueError(f"models {extra} are not used by this configuration (needed: {need})")
+    for role in graph.trained_models():
+        optim = config.models[role].optim
+        steps = optim.total_steps or config.total_updates
+        if optim.schedule != "constant" and steps <= optim.warmup_steps:
+            raise ValueError(f"models.{role}.optim.schedule {optim.schedule!r} decays after the warm-up, but the "
+                             f"run has {steps} optimizer step(s) and warmup_steps={optim.warmup_steps}")
+    if not config.data.path:
+        raise ValueError("data.path is required")
+    return algorithm, graph
 
 
 def resolve_backend(config: ExperimentConfig) -> str:
@@ -37,12 +76,12 @@ def resolve_backend(config: ExperimentConfig) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def prepare(config: ExperimentConfig) -> Prepared:
-    graph = build_graph(config)
+def model_configs(config: ExperimentConfig, graph: Graph) -> dict[str, ModelConfig]:
+    """Each role's model config, checked against what the role needs."""
     models: dict[str, ModelConfig] = {}
     for role in graph.models():
         spec = config.models[role]
-        cfg = ModelConfig.from_pretrained(Path(spec.path))
+        cfg = ModelConfig.from_pretrained(spec.path, key=f"models.{role}.path")
         if role in VALUE_ROLES and not cfg.value_head:
             raise ValueError(f"models.{role} must be a value model (a *ForSequenceClassification checkpoint "
                              f"with num_labels=1); {spec.path} is {cfg.architecture}")
@@ -51,27 +90,38 @@ def prepare(config: ExperimentConfig) -> Prepared:
         models[role] = cfg
     if "ref" in models and models["ref"].vocab_size != models["actor"].vocab_size:
         raise ValueError("models.ref and models.actor have different vocabularies")
+    return models
 
+
+def check_plan(config: ExperimentConfig, graph: Graph, models: dict[str, ModelConfig]) -> ExecutionPlan:
     devices = config.run.devices
-    backend = resolve_backend(config)
-    if backend == "nccl" and torch.cuda.device_count() < devices:
-        raise ValueError(f"run.devices={devices} but this machine has {torch.cuda.device_count()} GPUs")
-    if config.plan == "symmetric":
-        plan = symmetric_plan(graph, devices)
-    else:
-        plan = ExecutionPlan.load(config.plan)
+    plan = symmetric_plan(graph, devices) if config.plan == "symmetric" else ExecutionPlan.load(config.plan)
     plan.validate(graph, models, devices)
-    for call in graph.model_calls():
-        if call.kind is Kind.GENERATE:
-            check_adaptive(call.name, plan[call.name], config.generation)
     if plan.num_devices() < devices:
         unused = list(range(plan.num_devices(), devices))
         raise ValueError(f"the plan uses {plan.num_devices()} devices but run.devices={devices}; "
                          f"device(s) {unused} would sit idle")
+    if config.generation.adaptive.enabled:
+        for call in graph.model_calls():
+            if call.kind is Kind.GENERATE and not plan[call.name].tp_targets:
+                raise ValueError(f"generation.adaptive.enabled is on, but the plan gives {call.name!r} no "
+                                 f"tp_targets (layouts merging replicas of {plan[call.name].layout}, e.g. from "
+                                 "split_replicas)")
+    return plan
 
+
+def prepare(config: ExperimentConfig) -> Prepared:
+    algorithm, graph = check_config(config)
+    models = model_configs(config, graph)
+    backend = resolve_backend(config)
+    if backend == "nccl" and torch.cuda.device_count() < config.run.devices:
+        raise ValueError(f"run.devices={config.run.devices} but this machine has {torch.cuda.device_count()} GPUs")
+    plan = check_plan(config, graph, models)
     data = Path(config.data.path)
     if not data.is_file():
         raise FileNotFoundError(f"data.path {data} does not exist")
     if data.suffix not in (".jsonl", ".parquet"):
         raise ValueError(f"data.path must be a .jsonl or .parquet file, got {data.name}")
-    return Prepared(config, graph, models, plan, backend)
+    if reward_kind(config.reward.kind).build is not None:
+        reward_function(config.reward)  # a user's function that cannot be imported fails here, not on the ranks
+    return Prepared(config, algorithm, graph, models, plan, backend)

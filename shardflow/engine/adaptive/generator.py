@@ -26,24 +26,31 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardflow.engine.adaptive.kv_migration import (KV_MODES, MIGRATE, clean_slots, fit_problem, gather_requests,
-                                                    kv_plan, migrate, regroup_factor)
+from shardflow.config.experiment import AdaptiveConfig
+from shardflow.engine.adaptive.kv_migration import (
+    KV_MODES,
+    MIGRATE,
+    clean_slots,
+    fit_problem,
+    gather_requests,
+    kv_plan,
+    migrate,
+    regroup_factor,
+)
 from shardflow.engine.adaptive.length_predictor import LengthPredictor
 from shardflow.engine.adaptive.merge import nests, plan_merge
 from shardflow.engine.adaptive.reshard import allocated_model, refill, view_model
-from shardflow.perf.step_time import Hardware, RooflineStepTime, StepTimeModel
 from shardflow.engine.adaptive.switch_cost import CostParams, SwitchCostModel
-from shardflow.engine.adaptive.switch_policy import (Decider, Decision, Loads, PolicyConfig, bucket_edges,
-                                                     bucket_sums)
+from shardflow.engine.adaptive.switch_policy import Decider, Decision, Loads, bucket_edges, bucket_sums
 from shardflow.engine.adaptive.trace import GenerationTrace, Refusal, SwitchRecord
-from shardflow.engine.generate.engine import Engine, EngineConfig
+from shardflow.engine.generate.decode_weights import make_decode_weights, refresh_decode_weights
+from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
 from shardflow.engine.generate.kv_cache import bytes_per_slot
 from shardflow.engine.generate.replicas import fill_results, replica_share, result_states
 from shardflow.engine.generate.requests import Request
@@ -54,7 +61,7 @@ from shardflow.parallel.offload import regrow_storage, release_storage
 from shardflow.parallel.realloc_plan import transfer_plan
 from shardflow.parallel.sharding import check_layout, shard_for
 from shardflow.parallel.world import World
-from shardflow.engine.generate.decode_weights import make_decode_weights, refresh_decode_weights
+from shardflow.perf.step_time import Hardware, RooflineStepTime, StepTimeModel
 
 logger = logging.getLogger(__name__)
 
@@ -62,24 +69,6 @@ logger = logging.getLogger(__name__)
 # "auto" for the cost model's choice).
 Schedule = Mapping[int, tuple[Layout, str]]
 BUSY, ACTIVE = 0, 1  # columns of a rank's summary (then the waiting count and the bucket sums)
-
-
-@dataclass(frozen=True, kw_only=True)
-class AdaptiveConfig:
-    policy: PolicyConfig = field(default_factory=PolicyConfig)  # when to switch
-    kv_mode: str = "auto"  # auto (the cost model picks per switch) | migrate | recompute
-    bucket_bytes: int = 64 << 20  # KV migration message size per peer and round
-    length_buckets: int = 32  # buckets summarising unfinished requests by tokens generated
-    max_samples: int = 8192  # response lengths the predictor keeps
-    prior_weight: float = 1.0  # pseudo-samples of the uniform prior over [1, max_new_tokens]
-
-    def __post_init__(self) -> None:
-        if self.kv_mode not in ("auto", *KV_MODES):
-            raise ValueError(f"kv_mode must be auto, {' or '.join(KV_MODES)}; got {self.kv_mode!r}")
-        if self.bucket_bytes < 1 << 10:
-            raise ValueError(f"bucket_bytes must be at least 1 KiB, got {self.bucket_bytes}")
-        if self.length_buckets < 2:
-            raise ValueError(f"length_buckets must be at least 2, got {self.length_buckets}")
 
 
 class AdaptiveGenerator:
@@ -133,12 +122,12 @@ class AdaptiveGenerator:
         # targets' are made first, so that the cache is sized after them.
         self._engine_config = engine_config
         self._fuse_targets()
-        first = Engine(model, engine_config, eos_token_ids=eos_token_ids)
-        self.engines: dict[Layout, Engine] = {start: first}
+        first = GenerationEngine(model, engine_config, eos_token_ids=eos_token_ids)
+        self.engines: dict[Layout, GenerationEngine] = {start: first}
         self._equal_slots()
         for layout in chain[1:]:
             config_l = dataclasses.replace(engine_config, compile=engine_config.compile and layout.tp == 1)
-            self.engines[layout] = Engine(self.models[layout], config_l, eos_token_ids=eos_token_ids,
+            self.engines[layout] = GenerationEngine(self.models[layout], config_l, eos_token_ids=eos_token_ids,
                                           cache=first.cache.regroup(self._heads(layout)))
 
         self.steps = steps or RooflineStepTime(cfg, hardware, dtype_bytes=item)
@@ -191,7 +180,7 @@ class AdaptiveGenerator:
         layout = start
         engine.submit(mine)
         counts, seconds = [], []
-        interval = self.config.policy.interval
+        interval = self.config.interval
         step, begin = 0, time.perf_counter()
         while True:
             if step % interval == 0 or (schedule is not None and step in schedule):
@@ -214,7 +203,7 @@ class AdaptiveGenerator:
 
     # ----- decision points -------------------------------------------------------------------
 
-    def _gather(self, engine: Engine, edges: np.ndarray) -> np.ndarray:
+    def _gather(self, engine: GenerationEngine, edges: np.ndarray) -> np.ndarray:
         """[ranks of the layout, 3 + 3G]: busy, active, waiting, then bucket sums (count,
         generated, context) of the unfinished requests, by rank."""
         unfinished = engine.active + [r for unit in engine.waiting for r in unit]
@@ -292,7 +281,7 @@ class AdaptiveGenerator:
                                              prior_weight=self.config.prior_weight)
         self.predictor.max_len = max_new
         return Decider(cfg=self.cfg, chain=self.chain, steps=self.steps, costs=self.costs, predictor=self.predictor,
-                       config=self.config.policy, kv_mode=self.config.kv_mode, weight_bytes=self.weight_bytes)
+                       config=self.config, kv_mode=self.config.kv_mode, weight_bytes=self.weight_bytes)
 
     def restore_predictor(self, state: dict) -> None:
         """Length history of an earlier run (``predictor.state_dict()``), e.g. on resume."""

@@ -28,15 +28,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from shardflow.config.experiment import KV_MODES
+from shardflow.config.model import ModelConfig
 from shardflow.engine.adaptive.merge import Merge
 from shardflow.engine.generate.kv_cache import KVCache
 from shardflow.engine.generate.requests import Request
-from shardflow.config.model import ModelConfig
 from shardflow.parallel import comm
 from shardflow.parallel.sharding import shard_for
 
-MIGRATE, RECOMPUTE = "migrate", "recompute"
-KV_MODES = (MIGRATE, RECOMPUTE)
+MIGRATE, RECOMPUTE = KV_MODES
 
 
 # ----- the request states -------------------------------------------------------------------------

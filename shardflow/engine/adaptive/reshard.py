@@ -19,11 +19,11 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from shardflow.engine.adaptive.merge import narrow_offset, nests
 from shardflow.config.model import ModelConfig
+from shardflow.engine.adaptive.merge import narrow_offset, nests
+from shardflow.models.reallocate import reallocate_model
 from shardflow.models.transformer import Transformer, build_model
 from shardflow.parallel.layout import Layout
-from shardflow.models.reallocate import reallocate_model
 from shardflow.parallel.realloc import ReallocStats
 from shardflow.parallel.sharding import shard_for
 

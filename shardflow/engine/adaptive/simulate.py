@@ -20,10 +20,10 @@ import numpy as np
 
 from shardflow.engine.adaptive.kv_migration import regroup_factor
 from shardflow.engine.adaptive.merge import plan_merge
-from shardflow.perf.step_time import StepTimeModel
 from shardflow.engine.adaptive.switch_cost import SwitchCostModel
 from shardflow.engine.adaptive.switch_policy import Decider, Loads, bucket_edges, bucket_sums
 from shardflow.parallel.layout import Layout
+from shardflow.perf.step_time import StepTimeModel
 
 
 @dataclass(frozen=True)

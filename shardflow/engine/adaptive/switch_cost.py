@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from shardflow.config.model import ModelConfig
 from shardflow.engine.adaptive.kv_migration import MIGRATE, RECOMPUTE, keeps_own
 from shardflow.engine.adaptive.merge import Merge
-from shardflow.perf.step_time import Hardware, StepTimeModel
-from shardflow.config.model import ModelConfig
 from shardflow.parallel.sharding import shard_for
+from shardflow.perf.step_time import Hardware, StepTimeModel
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,36 +28,19 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from shardflow.config.experiment import AdaptiveConfig
+from shardflow.config.model import ModelConfig
 from shardflow.engine.adaptive.kv_migration import KV_MODES, fit_problem
 from shardflow.engine.adaptive.length_predictor import LengthPredictor
 from shardflow.engine.adaptive.merge import Merge, plan_merge
-from shardflow.perf.step_time import StepTimeModel
 from shardflow.engine.adaptive.switch_cost import SwitchCost, SwitchCostModel
-from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout
+from shardflow.perf.step_time import StepTimeModel
 
 # cost(merge, active [R], context [R], now) -> cost of switching with that many requests of that
 # mean context per replica of the current layout, or None if it cannot be done (``now``: at once,
 # so that the caches' room counts).
 CostFn = Callable[[Merge, np.ndarray, np.ndarray, bool], "SwitchCost | None"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class PolicyConfig:
-    interval: int = 32  # decode steps between decisions
-    margin: float = 0.25  # the saving must exceed the cost by this fraction of the cost
-    min_saving_s: float = 0.0  # ...and by at least this many seconds
-    horizon_points: int = 48  # grid points over the remaining steps
-    switch_points: int = 8  # switch times compared: now and the next grid points
-
-    def __post_init__(self) -> None:
-        if self.interval < 1:
-            raise ValueError(f"interval must be a positive number of decode steps, got {self.interval}")
-        if self.margin < 0 or self.min_saving_s < 0:
-            raise ValueError(f"margin and min_saving_s must be non-negative, got {self.margin}, {self.min_saving_s}")
-        if self.horizon_points < 4 or self.switch_points < 1:
-            raise ValueError(f"horizon_points must be >= 4 and switch_points >= 1, got "
-                             f"{self.horizon_points}, {self.switch_points}")
 
 
 @dataclass(frozen=True)
@@ -106,7 +89,7 @@ class Decision:
 
 
 def decide(*, layout: Layout, candidates: Sequence[Merge], loads: Loads, predictor: LengthPredictor,
-           steps: StepTimeModel, cost: CostFn, config: PolicyConfig) -> Decision:
+           steps: StepTimeModel, cost: CostFn, config: AdaptiveConfig) -> Decision:
     """``candidates``: merges from ``layout`` to the later layouts of the chain, in chain order."""
     rep, b = np.nonzero(loads.counts)
     if len(rep) == 0:
@@ -186,7 +169,7 @@ class Decider:
     layouts of the chain), the cost model, which KV modes are allowed and what fits in the caches."""
 
     def __init__(self, *, cfg: ModelConfig, chain: Sequence[Layout], steps: StepTimeModel, costs: SwitchCostModel,
-                 predictor: LengthPredictor, config: PolicyConfig, kv_mode: str = "auto",
+                 predictor: LengthPredictor, config: AdaptiveConfig, kv_mode: str = "auto",
                  weight_bytes: dict[Layout, int] | None = None):
         if kv_mode not in ("auto", *KV_MODES):
             raise ValueError(f"kv_mode must be auto, {' or '.join(KV_MODES)}; got {kv_mode!r}")

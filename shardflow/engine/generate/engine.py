@@ -37,18 +37,17 @@ from typing import Callable, Sequence
 
 import torch
 
-from shardflow.config.settings import BLAS_LIBRARIES, COMPILE_MODES
+from shardflow.config.experiment import BLAS_LIBRARIES, COMPILE_MODES
 from shardflow.engine.compile_fallback import compiled_or_eager
 from shardflow.engine.generate.cuda_graphs import DecodeRunner
 from shardflow.engine.generate.decode_attention import ATTENTION
+from shardflow.engine.generate.decode_weights import decode_weights_layout, drop_decode_weights, make_decode_weights
 from shardflow.engine.generate.kv_cache import KVCache, bytes_per_slot
 from shardflow.engine.generate.requests import Request
 from shardflow.engine.generate.sampling import SamplingTensors, batch_mode, sample
 from shardflow.engine.generate.steps import decode_logits, prefill_logits
 from shardflow.models.transformer import Transformer
 from shardflow.perf.sharing import PROMPT_ROWS
-from shardflow.engine.generate.decode_weights import decode_weights_layout, drop_decode_weights, make_decode_weights
-
 
 # Prompt-group numbers, unique within the process (requests move between its engines).
 _PROMPT_GROUPS = itertools.count()
@@ -112,7 +111,7 @@ class GenerationStats:
     generated_tokens: int = 0
 
 
-class Engine:
+class GenerationEngine:
     def __init__(self, model: Transformer, config: EngineConfig = EngineConfig(), *,
                  eos_token_ids: Sequence[int] = (), cache: KVCache | None = None):
         """``cache``: decode into this existing cache (see ``use_cache``) instead of allocating one."""

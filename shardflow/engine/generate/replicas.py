@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch.distributed as dist
 
-from shardflow.engine.generate.engine import Engine
+from shardflow.engine.generate.engine import GenerationEngine
 from shardflow.engine.generate.requests import Request
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
@@ -24,7 +24,7 @@ def replica_share(requests: Sequence[Request], dp: int, replica: int) -> list[Re
     return [r for r in requests if order[r.group] % dp == replica]
 
 
-def generate_replicated(engine: Engine, layout: Layout, world: World, requests: Sequence[Request],
+def generate_replicated(engine: GenerationEngine, layout: Layout, world: World, requests: Sequence[Request],
                         on_finish: Callable[[Request], None] | None = None) -> list[Request] | None:
     """Generate ``requests`` across the replicas of ``layout``.
 

@@ -22,14 +22,15 @@ import math
 
 import torch
 
+from shardflow.config.experiment import OptimConfig
 from shardflow.data.batch import SequenceBatch
-from shardflow.engine.train.grad_buffer import GradBuffer
-from shardflow.engine.train.grad_sync import global_grad_norm, sum_partial_tp_grads, sum_tied_embedding_grads
-from shardflow.engine.train.loss_fn import LossFn
-from shardflow.engine.train.optimizer import AdamW, OptimConfig, lr_at
 from shardflow.engine.outputs import LM_OUTPUTS, VALUE_OUTPUTS, token_outputs
 from shardflow.engine.pipeline import StageLinks, train_1f1b
 from shardflow.engine.shared_prompts import plan_micro_batches
+from shardflow.engine.train.grad_buffer import GradBuffer
+from shardflow.engine.train.grad_sync import global_grad_norm, sum_partial_tp_grads, sum_tied_embedding_grads
+from shardflow.engine.train.loss_fn import LossFn
+from shardflow.engine.train.optimizer import AdamW, lr_at
 from shardflow.models.transformer import Transformer
 from shardflow.parallel import comm
 from shardflow.parallel.layout import Layout
@@ -150,9 +151,9 @@ class TrainEngine:
     @torch.no_grad()
     def _update(self, norm: torch.Tensor, lr: float) -> None:
         grad = self.grads.flat
-        if self.optim.max_grad_norm is not None:
+        if self.optim.grad_clip > 0:
             # torch.nn.utils.clip_grad_norm_'s rule, kept on the device (no host sync).
-            grad.mul_(torch.clamp(self.optim.max_grad_norm / (norm + 1e-6), max=1.0))
+            grad.mul_(torch.clamp(self.optim.grad_clip / (norm + 1e-6), max=1.0))
         self.step_count += 1
         self.optimizer.step(grad, lr, self.step_count)
         torch._foreach_copy_(self._params, self._master_views)

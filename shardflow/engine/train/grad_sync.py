@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
-from shardflow.engine.train.grad_buffer import GradBuffer
 from shardflow.config.model import ModelConfig
+from shardflow.engine.train.grad_buffer import GradBuffer
 from shardflow.parallel import comm
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import EMBED, LM_HEAD, RankShard

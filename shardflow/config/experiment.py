@@ -1,0 +1,217 @@
+"""The experiment's settings tree: one settings class per concern, nested as the YAML is.
+
+``shardflow train --help-config`` lists every key (``schema.describe``). Each field states its
+single-field rules; rules across fields (a model the algorithm needs, a schedule that needs more
+optimizer steps than its warm-up) are checked in ``runtime.validate`` before any rank starts.
+Algorithm and reward kinds are checked there too: their names come from registries above this
+package (``rl.algorithms``, ``rl.rewards``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardflow.config.schema import Settings, section, setting
+
+# torch.compile modes of the decode step that leave CUDA graphs to the engine (which captures its own)
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+# BLAS libraries the decode step's products can run under on GPUs
+BLAS_LIBRARIES = ("cublas", "cublaslt")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+# how adaptive TP moves the KV caches of requests whose replicas merge
+KV_MODES = ("migrate", "recompute")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig(Settings):
+    lr: float = setting(1e-6, "peak learning rate", gt=0)
+    weight_decay: float = setting(0.0, "AdamW decoupled weight decay (matrices only, not norms or biases)", ge=0)
+    beta1: float = setting(0.9, "AdamW decay rate of the first moment", ge=0, lt=1)
+    beta2: float = setting(0.999, "AdamW decay rate of the second moment", ge=0, lt=1)
+    eps: float = setting(1e-8, "AdamW epsilon, added to the root of the second moment", gt=0)
+    schedule: str = setting("constant", "learning-rate schedule after warm-up", choices=LR_SCHEDULES)
+    warmup_steps: int = setting(0, "optimizer steps of linear warm-up from lr / warmup_steps to lr", ge=0)
+    total_steps: int = setting(0, "optimizer steps that linear and cosine decay span (0: all of the run's)", ge=0)
+    min_lr_ratio: float = setting(0.0, "final learning rate of linear and cosine decay, as a fraction of lr",
+                                  ge=0, le=1)
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this (0 disables)", ge=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec(Settings):
+    path: str = setting("", "Hugging Face checkpoint directory (relative: to the config file)", path="file")
+    dtype: str = setting("auto", "compute dtype (auto: bfloat16 on GPU, float32 on CPU)",
+                         choices=("auto", "bfloat16", "float32"))
+    gradient_checkpointing: bool = setting(False, "recompute activations in backward (trained models)")
+    compile: bool = setting(True, "torch.compile the decoder layers for training and inference on GPUs")
+    offload: bool = setting(False, "keep a frozen model's weights in CPU memory between its calls")
+    optim: OptimConfig = section(OptimConfig, "optimizer (trained models)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig(Settings):
+    path: str = setting("", "prompt dataset: .jsonl or .parquet (relative: to the config file)", path="file")
+    prompt_key: str = setting("prompt", "field with the prompt text")
+    messages_key: str = setting("messages", "field with chat messages (used when present)")
+    answer_key: str = setting("answer", "field with the reference answer, passed to the reward")
+    chat_template: bool = setting(True, "wrap plain prompts as a user message and apply the tokenizer's chat "
+                                        "template")
+    max_prompt_tokens: int = setting(512, "prompts longer than this are refused", gt=0)
+    shuffle: bool = setting(True, "shuffle each epoch (seeded by run.seed)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaptiveConfig(Settings):
+    """Adaptive tensor parallelism: the generate call starts in its plan layout and merges
+    data-parallel replicas into the plan's ``tp_targets`` mid-decode when that is predicted to pay."""
+
+    enabled: bool = setting(False, "switch generation to the plan's tp_targets mid-decode when predicted to pay")
+    interval: int = setting(32, "decode steps between switch decisions", gt=0)
+    margin: float = setting(0.25, "switch when the predicted saving exceeds the switch cost by this fraction of it",
+                            ge=0)
+    min_saving_s: float = setting(0.0, "...and by at least this many seconds", ge=0)
+    kv_mode: str = setting("auto", "KV caches of moved requests: auto (the cost model picks per switch), migrate "
+                                   "or recompute", choices=("auto", *KV_MODES))
+    step_times: str = setting("", "decode step times: a profile from 'shardflow profile' or bench/adaptive_tp.py's "
+                                  "decode_steps.json (empty: the roofline)",
+                         path="file")
+    horizon_points: int = setting(48, "grid points over the remaining decode steps that the policy sums", ge=4)
+    switch_points: int = setting(8, "switch times the policy compares: now and the next grid points", ge=1)
+    length_buckets: int = setting(32, "buckets summarising unfinished requests by tokens generated", ge=2)
+    max_samples: int = setting(8192, "response lengths the length predictor keeps", gt=0)
+    prior_weight: float = setting(1.0, "pseudo-samples of the predictor's uniform prior over [1, max_new_tokens]",
+                                  ge=0)
+    bucket_bytes: int = setting(64 << 20, "KV migration message size per peer and round", ge=1 << 10)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationConfig(Settings):
+    max_new_tokens: int = setting(256, "response length limit", gt=0)
+    samples_per_prompt: int = setting(1, "responses per prompt (the group size of GRPO)", gt=0)
+    temperature: float = setting(1.0, "sampling temperature (0 = greedy)", ge=0)
+    top_p: float = setting(1.0, "nucleus sampling threshold (1 = off)", gt=0, le=1)
+    top_k: int = setting(0, "sample among the k most likely tokens (0 = off)", ge=0)
+    stop_token_ids: list = setting([], "token ids that end a response besides the tokenizer's EOS")
+    kv_cache_gb: float = setting(0.0, "KV cache budget per rank in GiB (0 = a default share of free memory)", ge=0)
+    force_length: bool = setting(False, "ignore EOS and stop tokens: every response gets max_new_tokens "
+                                        "(benchmarks)")
+    compile: bool = setting(True, "torch.compile the decode step on GPUs (tp=1 layouts; sampling is compiled "
+                                  "always)")
+    compile_mode: str = setting("default", "torch.compile mode of the decode step (max-autotune-no-cudagraphs: "
+                                           "autotuned kernels, much longer compilation)", choices=COMPILE_MODES)
+    blas_library: str = setting("", "BLAS library of the decode step's products on GPUs (empty: torch's default)",
+                                choices=("", *BLAS_LIBRARIES))
+    transposed_weights: bool = setting(False, "decode products read their weights stored transposed on GPUs (other "
+                                              "cuBLAS kernels), for a copy of o, down and the LM head")
+    share_prompt_kv: bool = setting(True, "decode attention on GPUs reads a prompt's KV once for all its samples "
+                                          "(fewer bytes by the prompt's share of the context)")
+    adaptive: AdaptiveConfig = section(AdaptiveConfig, "adaptive tensor parallelism")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig(Settings):
+    kind: str = setting("math", "math (verify the answer), function (module:function) or model (models.reward)")
+    function: str = setting("", "for kind=function: 'package.module:function' or 'file.py:function' (relative: "
+                                "to the config file), called with (prompts, responses, answers)", path="function")
+    answer_pattern: str = setting("", "for kind=math: optional regex whose first group holds the answer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KLConfig(Settings):
+    """KL(actor || ref) against a reference model; a coefficient of 0 (and no target) drops the
+    reference model from the graph."""
+
+    coef: float = setting(0.0, "KL coefficient (the starting one when adapted)", ge=0)
+    in_reward: bool = setting(False, "KL as a per-token reward penalty (PPO classic) instead of a loss term")
+    estimator: str = setting("k3", "Schulman's estimator of the per-token KL", choices=("k1", "k2", "k3"))
+    target: float = setting(0.0, "adapt the coefficient towards this KL per sequence (0 = fixed coefficient)",
+                            ge=0)
+    horizon: int = setting(10000, "samples over which the adaptive controller reacts", gt=0)
+
+    @property
+    def used(self) -> bool:
+        """Whether the run needs the reference model."""
+        return self.coef > 0 or self.target > 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig(Settings):
+    name: str = setting("grpo", "the RL algorithm")
+    batch_size: int = setting(8, "prompts per iteration", gt=0)
+    epochs: int = setting(1, "passes of each train call over the iteration's batch", gt=0)
+    mini_batches: int = setting(1, "optimizer steps per pass", gt=0)
+    micro_batch_tokens: int = setting(8192, "tokens per micro-batch, padding included (inference and training)",
+                                      gt=0)
+    share_prompts: bool = setting(True, "inference and training run a prompt's tokens once for all its samples "
+                                        "where that saves 5% of the tokens or more (packed rows; the same outputs)")
+    clip_eps: float = setting(0.2, "policy ratio clip (lower side)", ge=0)
+    clip_eps_high: float = setting(0.0, "policy ratio clip, upper side (0 = same as clip_eps)", ge=0)
+    value_clip: float = setting(0.2, "PPO value clip around the old values (0 disables)", ge=0)
+    kl: KLConfig = section(KLConfig, "KL to the reference model")
+    gamma: float = setting(1.0, "discount", ge=0, le=1)
+    lam: float = setting(0.95, "GAE lambda", ge=0, le=1)
+    entropy_coef: float = setting(0.0, "entropy bonus coefficient")
+    whiten_advantages: bool = setting(True, "PPO: normalise advantages over the batch")
+    group_std_normalize: bool = setting(True, "GRPO: divide group-centred rewards by the group's std")
+    loss_agg: str = setting("token-mean", "how token losses become the step's loss",
+                            choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
+
+    @property
+    def updates_per_call(self) -> int:
+        """Optimizer steps of one train call."""
+        return self.epochs * self.mini_batches
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig(Settings):
+    name: str = setting("run", "run name (used in out_dir)")
+    out_dir: str = setting("runs/{name}", "where metrics, checkpoints and pictures go (relative: to the working "
+                                          "directory)")
+    iterations: int = setting(10, "RL iterations", gt=0)
+    devices: int = setting(1, "ranks to spawn on this machine (GPUs when CUDA is present, else CPU processes)", gt=0)
+    backend: str = setting("auto", "process-group backend (auto: nccl with CUDA, else gloo)",
+                           choices=("auto", "gloo", "nccl"))
+    seed: int = setting(0, "seed for data order, sampling and initialisation")
+    save_every: int = setting(0, "checkpoint every N iterations (0 = only at the end)", ge=0)
+    checkpoints: bool = setting(True, "write checkpoints at all (false: metrics only, as benchmarks do)")
+    keep_checkpoints: int = setting(2, "how many recent checkpoints to keep", gt=0)
+    resume: bool = setting(True, "continue from the latest checkpoint in out_dir when one exists")
+    tensorboard: bool = setting(True, "write TensorBoard event files")
+    progress: bool = setting(True, "show progress bars")
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.out_dir.format(name=self.name))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExperimentConfig(Settings):
+    algorithm: AlgorithmConfig = section(AlgorithmConfig, "the RL algorithm")
+    models: dict[str, ModelSpec] = setting({}, "model roles (actor, critic, ref, reward) and their settings")
+    data: DataConfig = section(DataConfig, "prompt dataset")
+    generation: GenerationConfig = section(GenerationConfig, "sampling")
+    reward: RewardConfig = section(RewardConfig, "reward")
+    plan: str = setting("symmetric", "execution plan: 'symmetric', or a plan YAML file (relative: to the config "
+                                     "file)", path="plan")
+    run: RunConfig = section(RunConfig, "run control")
+
+    @property
+    def total_updates(self) -> int:
+        """Optimizer steps of a trained model over the whole run."""
+        return self.run.iterations * self.algorithm.updates_per_call
+
+
+# Keys that moved, with where they are now: an old config gets told rather than guessed at.
+RENAMED = {
+    "algorithm.kl_coef": "algorithm.kl.coef",
+    "algorithm.kl_in_reward": "algorithm.kl.in_reward",
+    "algorithm.kl_estimator": "algorithm.kl.estimator",
+    "algorithm.adaptive_kl_target": "algorithm.kl.target",
+    "algorithm.adaptive_kl_horizon": "algorithm.kl.horizon",
+    "generation.adaptive_tp": "generation.adaptive.enabled",
+    "generation.adaptive_interval": "generation.adaptive.interval",
+    "generation.adaptive_margin": "generation.adaptive.margin",
+    "generation.adaptive_kv": "generation.adaptive.kv_mode",
+    "generation.adaptive_step_times": "generation.adaptive.step_times",
+}

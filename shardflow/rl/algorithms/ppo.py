@@ -1,0 +1,38 @@
+"""PPO (Schulman et al. 2017) with a learned critic, as in RLHF (Ouyang et al. 2022).
+
+Graph: generate, reward, (reference log-probabilities when a KL is used), critic values, then
+train the actor and the critic. Advantages are GAE over each response's tokens (with the KL as a
+per-token reward penalty when ``algorithm.kl.in_reward``), whitened over the batch unless
+``algorithm.whiten_advantages`` is off; the critic regresses the returns with a clipped error.
+"""
+
+from __future__ import annotations
+
+from torch.distributed import ProcessGroup
+
+from shardflow.config.experiment import AlgorithmConfig, ExperimentConfig
+from shardflow.data.batch import SequenceBatch
+from shardflow.rl.advantages import gae, whiten
+from shardflow.rl.algorithms.base import Algorithm
+from shardflow.rl.graph import Call, Graph, Kind
+from shardflow.rl.graphs import rollout_calls, train_call
+from shardflow.rl.losses import actor_loss, critic_loss
+
+
+def graph(config: ExperimentConfig) -> Graph:
+    calls = [*rollout_calls(config), Call("critic_inf", Kind.INFERENCE, "critic", ("responses",), ("values",))]
+    return Graph("ppo", (*calls, train_call("actor", calls), train_call("critic", calls)))
+
+
+def advantages(batch: SequenceBatch, algo: AlgorithmConfig, kl_coef: float,
+               group: ProcessGroup | None) -> SequenceBatch:
+    out = gae(batch, gamma=algo.gamma, lam=algo.lam, kl_coef=kl_coef if algo.kl.in_reward else 0.0,
+              kl_estimator=algo.kl.estimator)
+    if algo.whiten_advantages:
+        out = out.update({"advantages": whiten(out.token_fields["advantages"], out.token_fields["loss_mask"],
+                                               group=group)})
+    return out
+
+
+PPO = Algorithm(name="ppo", summary="GAE advantages from a learned critic, clipped policy and value losses",
+                graph=graph, advantages=advantages, losses={"actor": actor_loss, "critic": critic_loss})

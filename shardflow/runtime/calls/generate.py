@@ -1,0 +1,153 @@
+"""The generate call: each replica generates its prompts' groups; the holders keep the rollouts.
+
+With ``generation.adaptive.enabled`` the call's layout changes mid-decode (adaptive TP, toward
+the plan's ``tp_targets``); every request ends on ranks that include its starting replica's, so
+the holders keep the same rollouts, and the layout's first rank reports the switches and the
+active batch per step. Engines and adaptive generators are built once per call and kept across
+iterations (their captured graphs and the length predictor carry over).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+
+from shardflow.config.experiment import AdaptiveConfig, ExperimentConfig
+from shardflow.data.batch import SequenceBatch
+from shardflow.data.prompts import Prompt
+from shardflow.engine.adaptive.generator import AdaptiveGenerator
+from shardflow.engine.generate.engine import EngineConfig, GenerationEngine, GenerationStats
+from shardflow.engine.generate.replicas import replica_share
+from shardflow.engine.generate.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
+from shardflow.models.transformer import Transformer
+from shardflow.parallel.layout import Layout
+from shardflow.parallel.world import World
+from shardflow.perf.step_time import load_step_times
+from shardflow.runtime.calls.context import CallContext
+
+
+def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int, device: torch.device) -> EngineConfig:
+    """The generation settings as the engine of one replica of ``layout`` takes them."""
+    gen = config.generation
+    per_replica = -(-num_prompts // layout.dp) * gen.samples_per_prompt
+    return EngineConfig(
+        max_seq_len=config.data.max_prompt_tokens + gen.max_new_tokens + 1,
+        max_batch_size=max(1, per_replica),
+        kv_cache_bytes=int(gen.kv_cache_gb * (1 << 30)) or None,
+        compile=gen.compile and device.type == "cuda" and layout.tp == 1,
+        compile_mode=gen.compile_mode,
+        blas_library=(gen.blas_library or None) if device.type == "cuda" else None,
+        transposed_weights=gen.transposed_weights and device.type == "cuda",
+        share_prompt_kv=gen.share_prompt_kv,
+    )
+
+
+def generation_requests(config: ExperimentConfig, prompts: list[Prompt], iteration: int) -> list[Request]:
+    gen = config.generation
+    params = SamplingParams(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_k=gen.top_k,
+                            top_p=gen.top_p, seed=derive_seed(config.run.seed, iteration),
+                            stop_token_ids=tuple(gen.stop_token_ids), ignore_eos=gen.force_length)
+    return make_requests([p.ids for p in prompts], params, gen.samples_per_prompt)
+
+
+def run_generate(ctx: CallContext) -> SequenceBatch | None:
+    if ctx.model is None:
+        return None
+    adaptive = ctx.config.generation.adaptive.enabled
+    out = (_generate_adaptive if adaptive else _generate)(ctx, _engine(ctx, adaptive))
+    if out is not None:
+        ctx.report.rollout.update(rollout_lists(out))
+    return out
+
+
+def _engine(ctx: CallContext, adaptive: bool) -> Any:
+    """The call's engine (or adaptive generator), built on first use and whenever its model changed;
+    collective over the layout."""
+    engines, name, model = ctx.state.engines, ctx.call.name, ctx.model
+    engine = engines.get(name)
+    current = engine.models[ctx.layout] if isinstance(engine, AdaptiveGenerator) else getattr(engine, "model", None)
+    if engine is not None and current is model:
+        return engine
+    config = engine_config(ctx.config, ctx.layout, len(ctx.prompts), ctx.world.device)
+    if adaptive:
+        engine = adaptive_generator(ctx.world, model, ctx.plan[name].tp_targets, ctx.config.generation.adaptive,
+                                    engine_config=config, eos_token_ids=ctx.state.eos_token_ids)
+        engine.release()
+        if name in ctx.state.predictor_states and engine.predictor is None:
+            engine.restore_predictor(ctx.state.predictor_states[name])
+    else:
+        engine = GenerationEngine(model, config, eos_token_ids=ctx.state.eos_token_ids)
+        engine.release_cache()
+    engines[name] = engine
+    return engine
+
+
+def adaptive_generator(world: World, model: Transformer, targets: Sequence[Layout], settings: AdaptiveConfig, *,
+                       engine_config: EngineConfig, eos_token_ids: Sequence[int] = ()) -> AdaptiveGenerator:
+    """The adaptive generator of a generate call: ``model`` in the plan's layout, switching to the
+    plan's ``targets`` as ``settings`` say, its step times from ``settings.step_times`` (the
+    roofline when empty). Collective over the layout's ranks."""
+    steps, hardware = load_step_times(settings.step_times, model.cfg, next(model.parameters()).element_size())
+    return AdaptiveGenerator(world, model, targets, engine_config=engine_config, eos_token_ids=eos_token_ids,
+                             config=settings, steps=steps, hardware=hardware)
+
+
+def _generate(ctx: CallContext, engine: GenerationEngine) -> SequenceBatch | None:
+    requests = generation_requests(ctx.config, ctx.prompts, ctx.iteration)
+    c = ctx.layout.coord(ctx.world.rank)
+    mine = replica_share(requests, ctx.layout.dp, c.dp)
+    start = time.perf_counter()
+    engine.reset_cache()
+    engine.stats = GenerationStats()
+    setup = time.perf_counter() - start
+    start = time.perf_counter()
+    engine.generate(mine)
+    seconds = time.perf_counter() - start
+    engine.release_cache()
+    report = ctx.report
+    report.decode_steps = list(engine.stats.decode_steps)
+    report.metrics.update({"generation/tokens": float(engine.stats.generated_tokens), "generation/seconds": seconds,
+                           "generation/setup_seconds": setup,
+                           "generation/prefill_seconds": engine.stats.prefill_seconds})
+    return rollouts(mine, ctx.prompts) if c.tp == 0 else None
+
+
+def _generate_adaptive(ctx: CallContext, generator: AdaptiveGenerator) -> SequenceBatch | None:
+    requests = generation_requests(ctx.config, ctx.prompts, ctx.iteration)
+    c = ctx.layout.coord(ctx.world.rank)
+    start = time.perf_counter()
+    done = generator.generate(requests)
+    seconds = time.perf_counter() - start
+    generator.release()  # the KV cache and fused copies make room for the calls that follow
+    mine = replica_share(requests, ctx.layout.dp, c.dp)
+    report = ctx.report
+    report.metrics["generation/tokens"] = float(sum(len(r.output_ids) for r in mine))
+    report.metrics["generation/seconds"] = seconds
+    if done is not None:
+        trace = generator.last_trace
+        report.decode_steps = list(zip(trace.active, trace.step_seconds))
+        report.metrics.update(trace.metrics())
+        report.adaptive = trace.to_dict()
+    return rollouts(mine, ctx.prompts) if c.tp == 0 else None
+
+
+def rollouts(mine: list[Request], prompts: list[Prompt]) -> SequenceBatch:
+    """A replica's finished requests as the batch its holder keeps."""
+    batch = to_sequence_batch(mine)
+    groups = [r.group for r in mine]
+    return batch.update(seq_fields={"prompt_index": torch.tensor([prompts[g].index for g in groups])},
+                        meta={"answers": [prompts[g].answer for g in groups]})
+
+
+def rollout_lists(batch: SequenceBatch) -> dict[str, list[Any]]:
+    """Per-sequence facts of held rollouts for the iteration's metrics."""
+    mask = batch.token_fields["loss_mask"] > 0
+    seq = torch.repeat_interleave(torch.arange(len(batch)), batch.lengths)
+    response = torch.zeros(len(batch), dtype=torch.long).index_add_(0, seq, mask.long())
+    return {
+        "response_length": response.tolist(),
+        "prompt_length": batch.seq_fields["prompt_lengths"].tolist(),
+        "finish_reason": list(batch.meta.get("finish_reason", [])),
+    }
