@@ -58,7 +58,8 @@ from shardflow.parallel.launch import launch  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.parallel.sharding import shard_for  # noqa: E402
 from shardflow.parallel.world import World  # noqa: E402
-from shardflow.perf.step_time import Hardware, RooflineStepTime, StepTable, TableStepTime  # noqa: E402
+from shardflow.perf.hardware import Cluster  # noqa: E402
+from shardflow.perf.step_time import StepTable, TableStepTime, roofline_steps  # noqa: E402
 
 LLAMA = dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1,
              eos_token_id=2, max_position_embeddings=131072, rope_theta=500000.0)
@@ -212,14 +213,14 @@ def compare(world: World, args: dict) -> None:
         capture = graph_capture_seconds(engine, 1)
         engine.release_cache()
         del engine
-    steps_model = TableStepTime(tables, RooflineStepTime(cfg, dtype_bytes=torch.empty((), dtype=dtype).element_size()),
+    steps_model = TableStepTime(tables, roofline_steps(cfg, dtype_bytes=torch.empty((), dtype=dtype).element_size()),
                                 prefill_per_token=prefill)
     if world.rank == 0:
         steps_model.save(Path(args["out"]) / "decode_steps.json")  # for generation.adaptive.step_times
     p2p = measure_p2p(world, (1 << 30) if device.type == "cuda" else (16 << 20))
     log(f"point-to-point {p2p / 1e9:.1f} GB/s one way, both ways at once")
-    hardware = Hardware(p2p_bandwidth=p2p)
-    costs = SwitchCostModel(cfg, steps_model, hardware, CostParams(graph_capture_s=capture))
+    cluster = Cluster(p2p_bandwidth=p2p)
+    costs = SwitchCostModel(cfg, steps_model, cluster, CostParams(graph_capture_s=capture))
 
     # 2. the generations, all on the same requests
     lengths = forced_lengths(n, 1, median, over, cap)
@@ -252,7 +253,7 @@ def compare(world: World, args: dict) -> None:
         timed_run(name, lambda reqs: generate_replicated(engine, layout, world, reqs))
         engine.release_cache()
         del engine
-    generator = AdaptiveGenerator(world, model, [TARGET], engine_config=config, steps=steps_model, hardware=hardware,
+    generator = AdaptiveGenerator(world, model, [TARGET], engine_config=config, steps=steps_model, cluster=cluster,
                                   config=AdaptiveConfig(interval=args["interval"]),
                                   cost_params=CostParams(graph_capture_s=capture))
     for engine in generator.engines.values():
@@ -342,7 +343,7 @@ def roofline_only(args: dict) -> None:
     start_time = time.time()
     cfg = ModelConfig.from_hf_dict(SHAPES[args["shape"]])
     n, prompt, median, over, cap, *_ = WORKLOADS[args["shape"]]
-    steps_model = RooflineStepTime(cfg)
+    steps_model = roofline_steps(cfg)
     costs = SwitchCostModel(cfg, steps_model)
     lengths = forced_lengths(n, 1, median, over, cap)
     history = [forced_lengths(n, seed, median, over, cap) for seed in (2, 3)]
@@ -382,10 +383,10 @@ def single_gpu(args: dict) -> None:
     if cuda:
         torch.cuda.empty_cache()  # the shard's memory back to the device, for the cache sizing below
     item = torch.empty((), dtype=dtype).element_size()
-    steps_model = TableStepTime(tables, RooflineStepTime(cfg, dtype_bytes=item), add_comm=True,
+    steps_model = TableStepTime(tables, roofline_steps(cfg, dtype_bytes=item), add_comm=True,
                                 prefill_per_token=prefill)
     steps_model.save(Path(args["out"]) / "decode_steps.json")  # for generation.adaptive.step_times
-    costs = SwitchCostModel(cfg, steps_model, Hardware(), CostParams(graph_capture_s=capture))
+    costs = SwitchCostModel(cfg, steps_model, Cluster(), CostParams(graph_capture_s=capture))
     lengths = forced_lengths(n, 1, median, over, cap)
     history = [forced_lengths(n, seed, median, over, cap) for seed in (2, 3)]
     slots = _slots(full, EngineConfig(max_seq_len=prompt + cap + 1, max_batch_size=n))
@@ -395,7 +396,7 @@ def single_gpu(args: dict) -> None:
     finish(dict(mode=args["mode"], shape=args["shape"], dtype=str(dtype), started=start_time,
                 step_tables={str(tp): vars(t) for tp, t in tables.items()}, tables_include_comm=False,
                 prefill_s_per_token={str(tp): v for tp, v in prefill.items()},
-                comm_model="roofline: 15 us latency per collective, 360 GB/s bus bandwidth (Hardware defaults)",
+                comm_model="roofline: the default cluster's intra-node latency per collective and bus bandwidth",
                 graph_capture_s=capture, workload=_workload(lengths, history, prompt), measured=None, simulated=sim,
                 kv_slots_per_rank_d2t1=slots), Path(args["out"]))
 

@@ -238,8 +238,10 @@ def test_decode_weight_copies_refresh_in_place(transposed):
 def test_step_times_from_a_planner_profile_or_measured_steps(tmp_path):
     import numpy as np
 
+    from shardflow.perf.hardware import Cluster
     from shardflow.perf.profile import LayerProfile, Profile, Table, layer_key
-    from shardflow.perf.step_time import Hardware, LayerStepTime, RooflineStepTime, TableStepTime
+    from shardflow.perf.roofline import Roofline, head_shape
+    from shardflow.perf.step_time import OpStepTime, TableStepTime, roofline_steps
     from shardflow.perf.step_time import load_step_times as step_times
 
     cfg = tiny()
@@ -250,18 +252,17 @@ def test_step_times_from_a_planner_profile_or_measured_steps(tmp_path):
               for tp in (1, 2)}
     Profile(device="test", rates={"p2p_bandwidth": 1e11, "intra_node_latency": 2e-5},
             layers={layer_key(cfg): layers}).save(tmp_path / "profile.json")
-    steps, hardware = step_times(str(tmp_path / "profile.json"), cfg, 4)
-    assert isinstance(steps, LayerStepTime) and hardware.p2p_bandwidth == 1e11
-    assert hardware.collective_latency == 2e-5
-    roofline = RooflineStepTime(cfg, hardware, dtype_bytes=4)
-    head = shard_for(cfg, L("d1p1t2@0-1"), 0).vocab_size * 64 * 4 / hardware.hbm_bandwidth
-    expected = 4 * 1e-4 * 2 + head + hardware.step_overhead + roofline.comm(2, np.array([1.0]))[0]
+    steps, cluster = step_times(str(tmp_path / "profile.json"), cfg, 4)
+    assert isinstance(steps, OpStepTime) and cluster.p2p_bandwidth == 1e11 and cluster.intra_node_latency == 2e-5
+    head = Roofline(dtype_bytes=4).head_forward(head_shape(cfg, 2), cluster, 1.0)  # not profiled: the roofline
+    ring = 2e-5 + 64 * 4 / cluster.intra_node_bandwidth  # one row of hidden states, in float32
+    expected = 4 * 1e-4 * 2 + head + (2 * 4 + 1) * ring  # the measured layer step at (batch 1, context 10)
     assert steps.decode(2, np.array([1.0]), np.array([10.0]))[0] == pytest.approx(expected)
 
-    TableStepTime({}, roofline).save(tmp_path / "steps.json")
-    steps, hardware = step_times(str(tmp_path / "steps.json"), cfg, 4)
-    assert isinstance(steps, TableStepTime) and hardware == Hardware()
-    assert isinstance(step_times("", cfg, 2)[0], RooflineStepTime)
+    TableStepTime({}, roofline_steps(cfg, dtype_bytes=4)).save(tmp_path / "steps.json")
+    steps, cluster = step_times(str(tmp_path / "steps.json"), cfg, 4)
+    assert isinstance(steps, TableStepTime) and cluster == Cluster()
+    assert isinstance(step_times("", cfg, 2)[0], OpStepTime)
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(ValueError, match="broken.json is not valid JSON"):
         step_times(str(tmp_path / "broken.json"), cfg, 2)

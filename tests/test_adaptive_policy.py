@@ -16,7 +16,10 @@ from shardflow.engine.adaptive.simulate import SimRequest, simulate
 from shardflow.engine.adaptive.switch_cost import CostParams, SwitchCostModel
 from shardflow.engine.adaptive.switch_policy import Decider, Loads, bucket_edges, bucket_sums
 from shardflow.parallel.layout import Layout
-from shardflow.perf.step_time import Hardware, LayerStepTime, RooflineStepTime, StepTable, TableStepTime
+from shardflow.perf.hardware import Cluster
+from shardflow.perf.profile import OpCosts
+from shardflow.perf.roofline import head_shape, layer_shape
+from shardflow.perf.step_time import OpStepTime, StepTable, TableStepTime, roofline_steps
 
 D2T1, D1T2 = Layout.parse("d2p1t1@0-1"), Layout.parse("d1p1t2@0-1")
 CHAIN4 = [Layout.parse("d4p1t1@0,2,1,3"), Layout.parse("d2p1t2@0,2,1,3"), Layout.parse("d1p1t4@0-3")]
@@ -106,23 +109,48 @@ def test_predictor_improves_as_the_run_goes_on():
 # ----- step time and switch cost ----------------------------------------------------------------
 
 def test_roofline_decode_step_by_hand():
-    steps, hw = RooflineStepTime(CFG), Hardware()
-    weights = CFG.num_params() - CFG.embedding_params()  # the LM head is read, the embedding is not
-    one = weights * 2 / hw.hbm_bandwidth + hw.step_overhead
-    assert steps.decode(1, np.array([1]), np.array([0]))[0] == pytest.approx(one)
-    kv = 1000 * CFG.kv_bytes_per_token(2) / hw.hbm_bandwidth  # one request of 1000 tokens
-    assert steps.decode(1, np.array([1]), np.array([1000]))[0] == pytest.approx(one + kv)
-    comm = (2 * 32 + 1) * (hw.collective_latency + 4096 * 2 / hw.bus_bandwidth) \
-        + hw.collective_latency + 5 * 8 / hw.bus_bandwidth
-    norms = (2 * 32 + 1) * 4096  # replicated over tp, every other weight is halved
-    half = ((weights - norms) / 2 + norms) * 2 / hw.hbm_bandwidth + hw.step_overhead
-    assert steps.decode(2, np.array([1]), np.array([0]))[0] == pytest.approx(half + comm)
-    big = steps.decode(1, np.array([4096]), np.array([0]))[0]  # compute-bound
-    assert big == pytest.approx(2 * 4096 * weights / (hw.matmul_flops * hw.matmul_efficiency) + hw.step_overhead)
+    """A step is every layer's step, the head, and tp's collectives; at batch 1 a layer reads its
+    weights once, at a large batch it is bound by the matrix rate."""
+    cluster = Cluster()
+    steps = roofline_steps(CFG, cluster)
+    roof, hbm, L = steps.ops.roofline, cluster.hbm_bandwidth, CFG.num_layers
+    one, wide = layer_shape(CFG, 1), layer_shape(CFG, 2)
+
+    def elementwise(shape, batch):
+        return batch * roof._elementwise_elems(shape) * 2 / hbm
+
+    layer = one.params * 2 / hbm + elementwise(one, 1) + cluster.layer_overhead_s  # context 0: no KV read
+    head = roof.head_forward(head_shape(CFG, 1), cluster, 1)
+    assert head == pytest.approx(CFG.vocab_size * 4096 * 2 / hbm + (4 * 4096 * 2 + 3 * 4 * CFG.vocab_size) / hbm
+                                 + cluster.layer_overhead_s)
+    assert steps.decode(1, np.array([1]), np.array([0]))[0] == pytest.approx(L * layer + head)
+    kv = 1000 * CFG.kv_bytes_per_token(2) / hbm  # one request of 1000 tokens, every layer's keys and values
+    assert steps.decode(1, np.array([1]), np.array([1000]))[0] == pytest.approx(L * layer + head + kv)
+    ring = cluster.intra_node_latency + 4096 * 2 / cluster.intra_node_bandwidth  # 2 (n - 1) / n = 1 at tp=2
+    half = wide.params * 2 / hbm + elementwise(wide, 1) + cluster.layer_overhead_s
+    head2 = roof.head_forward(head_shape(CFG, 2), cluster, 1)
+    assert steps.decode(2, np.array([1]), np.array([0]))[0] == pytest.approx(L * half + head2 + (2 * L + 1) * ring)
+    B = 8192  # compute-bound
+    big = 2 * B * one.params / (cluster.matmul_flops * roof.matmul_efficiency) + elementwise(one, B) \
+        + cluster.layer_overhead_s
+    assert steps.decode(1, np.array([B]), np.array([0]))[0] == pytest.approx(
+        L * big + roof.head_forward(head_shape(CFG, 1), cluster, B))
+
+
+def test_the_planner_costs_decode_steps_with_the_same_model():
+    from planner_cases import small_problem
+
+    problem = small_problem()
+    cfg = problem.models["actor"]
+    layout = Layout.contiguous(tp=2)
+    steps = OpStepTime(cfg, OpCosts(problem.cluster, problem.profile))
+    assert problem.costs.decode_step(cfg, layout, 12, 300) == pytest.approx(steps.decode(2, 12, 300))
+    assert problem.costs.steps(cfg).decode(2, np.array([3, 12]), np.array([50, 300]))[1] == pytest.approx(
+        steps.decode(2, 12, 300))
 
 
 def test_measured_tables_interpolate_and_fall_back(tmp_path):
-    roofline = RooflineStepTime(CFG)
+    roofline = roofline_steps(CFG)
     table = StepTable((1, 9), (0, 1000), ((1.0, 2.0), (3.0, 5.0)))
     assert table(np.array([1, 9, 5]), np.array([0, 1000, 500])).tolist() == [1.0, 5.0, 2.75]
     assert table(np.array([17]), np.array([0]))[0] == 5.0  # linear beyond the grid
@@ -139,17 +167,13 @@ def test_measured_tables_interpolate_and_fall_back(tmp_path):
     with_comm.save(tmp_path / "steps.json")
     loaded = TableStepTime.load(tmp_path / "steps.json", roofline)
     assert loaded.tables == with_comm.tables and loaded.add_comm and loaded.prefill_per_token == {2: 1e-5}
-    per_layer = LayerStepTime(lambda tp, batch, context: 1e-4 / tp, roofline)  # e.g. a profiled layer time
-    head = 128256 // 2 * 4096 * 2 / Hardware().hbm_bandwidth  # half the LM head read per step
-    assert per_layer.decode(2, np.array([3]), np.array([10]))[0] == pytest.approx(
-        32 * 0.5e-4 + head + Hardware().step_overhead + roofline.comm(2, np.array([3]))[0])
     (tmp_path / "bad.json").write_text('{"format": "shardflow-decode-steps/1", "tables": {"1": {"batches": [2, 1]}}}')
     with pytest.raises(ValueError, match="bad.json is malformed"):
         TableStepTime.load(tmp_path / "bad.json", roofline)
 
 
 def test_switch_cost_by_part():
-    steps, hw = RooflineStepTime(CFG), Hardware()
+    steps, hw = roofline_steps(CFG), Cluster()
     costs = SwitchCostModel(CFG, steps, hw, CostParams(graph_capture_s=0.01, overhead_s=0.002, round_latency_s=0.0))
     merge = plan_merge(D2T1, D1T2)
     per_token = 2 * 32 * 4 * 128 * 2  # keys and values, 4 of 8 KV heads per rank after the merge
@@ -162,7 +186,7 @@ def test_switch_cost_by_part():
     assert cost.total == pytest.approx(seconds + 0.03 + 0.002)
     assert costs.estimate(merge, [1, 3], [500, 2000], modes=("recompute",)).kv_mode == "recompute"
     assert costs.estimate(merge, [1, 3], [500, 2000], modes=()) is None
-    slow_links = SwitchCostModel(CFG, steps, Hardware(p2p_bandwidth=1e6))
+    slow_links = SwitchCostModel(CFG, steps, Cluster(p2p_bandwidth=1e6))
     assert slow_links.estimate(merge, [1, 3], [500, 2000]).kv_mode == "recompute"
 
 

@@ -12,6 +12,7 @@ from planner_cases import llama, small_problem, tiny
 from shardflow.config.model import ModelConfig
 from shardflow.engine.generate.decode_weights import make_decode_weights
 from shardflow.parallel.layout import Layout
+from shardflow.parallel.realloc_plan import transfer_plan
 from shardflow.parallel.sharding import shard_for
 from shardflow.perf.hardware import Cluster
 from shardflow.perf.profile import OpCosts, Profile, Table
@@ -225,6 +226,9 @@ def test_received_bytes_equal_what_is_needed_minus_what_is_held(family, kw):
             held = _masks(cfg, src, rank) if rank in src else {}
             brute = sum(int((m & ~held.get(name, np.zeros_like(m))).sum()) for name, m in need.items())
             assert received_bytes(cfg, src, dst, rank) == 2 * brute, (src_text, dst_text, rank)
+            # what the reallocation engine's plan sends this rank (adaptive TP counts its switches so)
+            sent = sum(t.numel for t in transfer_plan(cfg, src, dst).transfers if t.dst_rank == rank and not t.local)
+            assert received_bytes(cfg, src, dst, rank) == 2 * sent, (src_text, dst_text, rank)
 
 
 def test_reallocation_time_uses_the_links():

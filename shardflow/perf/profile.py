@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from shardflow.config.model import ModelConfig
 from shardflow.perf.hardware import Cluster
 from shardflow.perf.roofline import Roofline, head_shape, layer_shape
@@ -67,7 +69,13 @@ class Table:
         j, w = _interp(self.y, y)
         return row[j] if len(self.y) == 1 else (1 - w) * row[j] + w * row[j + 1]
 
-    def __call__(self, x: float, y: float | None = None) -> float:
+    def __call__(self, x: Any, y: Any = None) -> Any:
+        """Seconds at ``x`` (and ``y``); numpy arrays give an array."""
+        if np.ndim(x) or np.ndim(y):
+            return np.vectorize(self._at, otypes=[float])(x, y)
+        return self._at(x, y)
+
+    def _at(self, x: float, y: float | None) -> float:
         i, w = _interp(self.x, x)
         lo = self._row(self.seconds[i], y)
         if len(self.x) == 1:

@@ -5,6 +5,7 @@ do not overlap: the GEMMs (bound by FLOPs or by reading the weights), attention 
 the KV cache) and elementwise work (norms, RoPE, SiLU, residuals: bound by HBM traffic), plus a
 fixed launch overhead per layer. Sizes are those of one tensor-parallel shard, taken from the
 sharding spec (``shard_for``), so KV heads replicated over tp > num_kv_heads are counted right.
+Token and batch counts may be numpy arrays (the adaptive-TP policy asks for many points at once).
 """
 
 from __future__ import annotations
@@ -12,10 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for
 from shardflow.perf.hardware import Cluster
+
+
+def _max(a, b):
+    """The larger cost; element by element when either is an array."""
+    return np.maximum(a, b) if np.ndim(a) or np.ndim(b) else max(a, b)
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,7 @@ class Roofline:
 
     def layer_forward(self, s: LayerShape, c: Cluster, tokens: float, seqlen: float) -> float:
         """Forward of ``tokens`` tokens in sequences of ``seqlen`` (causal attention)."""
-        gemm = max(2 * tokens * s.params / (c.matmul_flops * self.matmul_efficiency),
+        gemm = _max(2 * tokens * s.params / (c.matmul_flops * self.matmul_efficiency),
                    s.params * self.dtype_bytes / c.hbm_bandwidth)
         attn = 2 * tokens * seqlen * s.q_dim / (c.matmul_flops * self.attention_efficiency)
         elem = tokens * self._elementwise_elems(s) * self.dtype_bytes / c.hbm_bandwidth
@@ -78,7 +86,7 @@ class Roofline:
 
     def layer_backward(self, s: LayerShape, c: Cluster, tokens: float, seqlen: float) -> float:
         """Backward (input and weight gradients): twice the GEMM FLOPs, 2.5x attention."""
-        gemm = max(4 * tokens * s.params / (c.matmul_flops * self.matmul_efficiency),
+        gemm = _max(4 * tokens * s.params / (c.matmul_flops * self.matmul_efficiency),
                    2 * s.params * self.dtype_bytes / c.hbm_bandwidth)
         attn = 5 * tokens * seqlen * s.q_dim / (c.matmul_flops * self.attention_efficiency)
         elem = 2 * tokens * self._elementwise_elems(s) * self.dtype_bytes / c.hbm_bandwidth
@@ -86,10 +94,10 @@ class Roofline:
 
     def decode_layer(self, s: LayerShape, c: Cluster, batch: float, context: float) -> float:
         """One decode step of ``batch`` requests whose KV caches hold ``context`` tokens."""
-        gemm = max(2 * batch * s.params / (c.matmul_flops * self.matmul_efficiency),
+        gemm = _max(2 * batch * s.params / (c.matmul_flops * self.matmul_efficiency),
                    s.params * self.dtype_bytes / c.hbm_bandwidth)
         kv_bytes = 2 * batch * context * s.kv_dim * self.dtype_bytes
-        attn = max(4 * batch * context * s.q_dim / (c.matmul_flops * self.attention_efficiency),
+        attn = _max(4 * batch * context * s.q_dim / (c.matmul_flops * self.attention_efficiency),
                    kv_bytes / c.hbm_bandwidth)
         elem = batch * self._elementwise_elems(s) * self.dtype_bytes / c.hbm_bandwidth
         return gemm + attn + elem + c.layer_overhead_s
@@ -99,14 +107,14 @@ class Roofline:
     def head_forward(self, s: HeadShape, c: Cluster, tokens: float) -> float:
         """Final norm, LM head and per-token log-probabilities (fp32 logits, read three times)."""
         params = s.hidden * s.vocab
-        gemm = max(2 * tokens * params / (c.matmul_flops * self.matmul_efficiency),
+        gemm = _max(2 * tokens * params / (c.matmul_flops * self.matmul_efficiency),
                    params * self.dtype_bytes / c.hbm_bandwidth)
         elem = tokens * (4 * s.hidden * self.dtype_bytes + 3 * 4 * s.vocab) / c.hbm_bandwidth
         return gemm + elem + c.layer_overhead_s
 
     def head_backward(self, s: HeadShape, c: Cluster, tokens: float) -> float:
         params = s.hidden * s.vocab
-        gemm = max(4 * tokens * params / (c.matmul_flops * self.matmul_efficiency),
+        gemm = _max(4 * tokens * params / (c.matmul_flops * self.matmul_efficiency),
                    2 * params * self.dtype_bytes / c.hbm_bandwidth)
         elem = tokens * (4 * s.hidden * self.dtype_bytes + 3 * 4 * s.vocab) / c.hbm_bandwidth
         return gemm + elem + c.layer_overhead_s

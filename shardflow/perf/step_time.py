@@ -1,38 +1,37 @@
-"""How long one replica's decode step takes, by (tp, active batch, context length).
+"""How long one replica's generation step takes, by (tp, active batch, context length): the one
+model that the planner and adaptive TP both cost decoding with.
 
-The switch policy asks for many (batch, context) points at once, so every model answers numpy
-arrays. Three sources, one interface (``decode`` and ``prefill``):
+Every model answers numpy arrays (the switch policy asks for many points at once) through one
+interface (``decode`` and ``prefill``). Two sources:
 
-- ``RooflineStepTime``: weights read once per step and the KV cache read by attention, against HBM
-  bandwidth, or the FLOPs against the GEMM rate when batches are large; plus tensor parallelism's
-  collectives (two all-reduces per layer, one for the embedding, one all-gather for sampling),
-  each a latency plus bytes over the NVLink bus bandwidth. Sizes come from ``shard_for``.
-- ``TableStepTime``: measured step times on a (batch, context) grid per tp, interpolated
-  bilinearly (decode time is close to affine in both), with the roofline for any tp not measured
-  (scaled by the measured/roofline ratio of the nearest measured tp). ``add_comm`` adds the
-  modelled collectives to tables measured on one GPU without them. Prefill: measured seconds per
-  token per tp where given (prefill of a full batch is compute-bound, close to linear in tokens),
-  else the roofline. Saved as JSON by the benchmark.
-- ``LayerStepTime``: a per-layer decode time from elsewhere (e.g. the planner's profiled
-  ``OpCosts.decode_layer`` bound to the model config) times the layers, plus the head and the
-  collectives from the roofline.
+- ``OpStepTime``: per-operation costs (``perf.profile.OpCosts``: measured where a profile holds
+  the shape, the roofline otherwise) composed as the engine runs a step: every decoder layer's
+  step plus two tp all-reduces of its output, the final norm and LM head, and one small
+  collective that agrees on the sampled tokens. A prefill is the same with forward passes over
+  the prompt tokens. The planner's cost model (``plan.cost``) charges generation with it.
+- ``TableStepTime``: whole decode steps measured on a (batch, context) grid per tp (by
+  ``bench/adaptive_tp.py``), interpolated bilinearly (decode time is close to affine in both),
+  with ``OpStepTime`` for any tp not measured (scaled by the measured/modelled ratio of the
+  nearest measured tp). ``add_comm`` adds the modelled collectives to tables measured on one
+  GPU without them. Prefill: measured seconds per token per tp where given, else ``OpStepTime``.
+
+``load_step_times`` reads either from a file (``generation.adaptive.step_times``).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from shardflow.config.model import ModelConfig
-from shardflow.parallel.layout import Layout
-from shardflow.parallel.sharding import EMBED, shard_for
 from shardflow.perf.hardware import Cluster
 from shardflow.perf.profile import FORMAT as PROFILE_FORMAT
 from shardflow.perf.profile import OpCosts, Profile
+from shardflow.perf.roofline import Roofline
 
 FORMAT = "shardflow-decode-steps/1"
 
@@ -45,72 +44,49 @@ class StepTimeModel(Protocol):
         """Seconds to prefill ``tokens`` tokens in sequences of mean length ``context``."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class Hardware:
-    """Rates of one GPU and its links (defaults: an H200 with NVLink)."""
+class OpStepTime:
+    """Steps of a replica of ``cfg`` composed from per-operation costs; tp groups never leave a
+    node, so their collectives run at the cluster's intra-node rates."""
 
-    hbm_bandwidth: float = 4.3e12  # bytes/s, device copy
-    matmul_flops: float = 790e12  # dense bf16 GEMM rate
-    matmul_efficiency: float = 0.7  # fraction of the GEMM rate decode/prefill GEMMs reach
-    bus_bandwidth: float = 360e9  # all-reduce bus bandwidth per GPU, bytes/s
-    p2p_bandwidth: float = 300e9  # one point-to-point stream, bytes/s
-    collective_latency: float = 15e-6  # seconds per collective
-    step_overhead: float = 40e-6  # per decode step: launches, host synchronisation, sampling
+    def __init__(self, cfg: ModelConfig, ops: OpCosts, *, activation_bytes: int = 2):
+        self.cfg, self.ops, self.activation_bytes = cfg, ops, activation_bytes
 
-    def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            if not value > 0:
-                raise ValueError(f"hardware {name} must be positive, got {value!r}")
+    @property
+    def cluster(self) -> Cluster:
+        return self.ops.cluster
 
+    def all_reduce(self, tp: int, tokens: Any) -> Any:
+        """One tp all-reduce of ``tokens`` rows of hidden states."""
+        return self.ops.all_reduce(tokens * self.cfg.hidden_size * self.activation_bytes, range(tp))
 
-class RooflineStepTime:
-    def __init__(self, cfg: ModelConfig, hardware: Hardware = Hardware(), *, dtype_bytes: int = 2):
-        self.cfg, self.hw, self.item = cfg, hardware, dtype_bytes
-        self._shapes: dict[int, tuple[int, int, int]] = {}
-
-    def shape(self, tp: int) -> tuple[int, int, int]:
-        """(GEMM parameters per rank, KV elements per token per rank, query width per rank)."""
-        if tp not in self._shapes:
-            shard = shard_for(self.cfg, Layout.contiguous(tp=tp), 0)
-            read = [t for name, t in shard.tensors.items() if name != EMBED or self.cfg.tie_word_embeddings]
-            params = sum(t.numel() for t in read)  # the embedding is read row by row, unless tied to the head
-            kv = 2 * len(shard.layers) * shard.num_kv_heads * self.cfg.head_dim
-            self._shapes[tp] = (params, kv, shard.num_heads * self.cfg.head_dim)
-        return self._shapes[tp]
-
-    def comm(self, tp: int, batch: np.ndarray) -> np.ndarray:
-        """Collectives of one decode step: 2 all-reduces per layer and one for the embedding of
-        [batch, hidden], and the sampling all-gather of candidates, counted as [batch, 5] float64
-        per rank (the GPU sampler sends a few such rows per chunk of its vocabulary: still far below
-        the collective's latency)."""
+    def comm(self, tp: int, batch: Any) -> np.ndarray:
+        """A decode step's collectives: two all-reduces per layer, and one of a row to agree on
+        the sampled tokens."""
         batch = np.asarray(batch, dtype=np.float64)
         if tp == 1:
             return np.zeros_like(batch)
-        ring = 2 * (tp - 1) / tp
-        reduce = self.hw.collective_latency + ring * batch * self.cfg.hidden_size * self.item / self.hw.bus_bandwidth
-        gather = self.hw.collective_latency + (tp - 1) * batch * 5 * 8 / self.hw.bus_bandwidth
-        return (2 * self.cfg.num_layers + 1) * reduce + gather
+        return 2 * self.cfg.num_layers * self.all_reduce(tp, batch) + self.all_reduce(tp, 1)
 
-    def compute(self, tp: int, batch: np.ndarray, context: np.ndarray) -> np.ndarray:
-        """The step without collectives: memory or FLOPs, whichever binds, plus the overhead."""
-        params, kv, q_width = self.shape(tp)
-        batch, context = np.asarray(batch, dtype=np.float64), np.asarray(context, dtype=np.float64)
-        memory = (params + batch * context * kv) * self.item / self.hw.hbm_bandwidth
-        flops = 2 * batch * params + 4 * batch * context * q_width * self.cfg.num_layers
-        return np.maximum(memory, flops / (self.hw.matmul_flops * self.hw.matmul_efficiency)) + self.hw.step_overhead
+    def decode(self, tp: int, batch: Any, context: Any) -> np.ndarray:
+        batch, context = np.broadcast_arrays(np.asarray(batch, dtype=np.float64),
+                                             np.asarray(context, dtype=np.float64))
+        layers = self.cfg.num_layers * self.ops.decode_layer(self.cfg, tp, batch, context)
+        return layers + self.ops.head_forward(self.cfg, tp, batch) + self.comm(tp, batch)
 
-    def decode(self, tp: int, batch: np.ndarray, context: np.ndarray) -> np.ndarray:
-        return self.compute(tp, batch, context) + self.comm(tp, batch)
-
-    def prefill(self, tp: int, tokens: float, context: float) -> float:
-        params, _, q_width = self.shape(tp)
-        flops = 2 * tokens * params + 2 * tokens * context * q_width * self.cfg.num_layers  # causal: half of 4
-        compute = max(params * self.item / self.hw.hbm_bandwidth,
-                      flops / (self.hw.matmul_flops * self.hw.matmul_efficiency))
-        return compute + float(self.comm(tp, np.asarray(tokens))) + self.hw.step_overhead
+    def prefill(self, tp: int, tokens: float, context: float, rows: float | None = None) -> float:
+        """``tokens`` prompt tokens in sequences of mean length ``context``; the head runs at the
+        ``rows`` last positions (default: one per sequence)."""
+        rows = tokens / max(context, 1.0) if rows is None else rows
+        layer = self.ops.layer_forward(self.cfg, tp, tokens, context) + (2 * self.all_reduce(tp, tokens) if tp > 1 else 0)
+        return float(self.cfg.num_layers * layer + self.ops.head_forward(self.cfg, tp, rows))
 
 
-# ----- measured tables ------------------------------------------------------------------------------
+def roofline_steps(cfg: ModelConfig, cluster: Cluster = Cluster(), *, dtype_bytes: int = 2) -> OpStepTime:
+    """Step times from the roofline of ``cluster``'s rates (no profile)."""
+    return OpStepTime(cfg, OpCosts(cluster, roofline=Roofline(dtype_bytes=dtype_bytes)), activation_bytes=dtype_bytes)
+
+
+# ----- measured whole steps -------------------------------------------------------------------------
 
 def _bracket(grid: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Index i and weight w with f(x) ~ (1 - w) f[i] + w f[i + 1] (linear extrapolation outside)."""
@@ -149,7 +125,7 @@ class StepTable:
 
 
 class TableStepTime:
-    def __init__(self, tables: dict[int, StepTable], roofline: RooflineStepTime, *, add_comm: bool = False,
+    def __init__(self, tables: dict[int, StepTable], roofline: OpStepTime, *, add_comm: bool = False,
                  prefill_per_token: dict[int, float] | None = None):
         self.tables, self.roofline, self.add_comm = dict(tables), roofline, add_comm
         self.prefill_per_token = dict(prefill_per_token or {})
@@ -180,7 +156,7 @@ class TableStepTime:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))
 
     @classmethod
-    def load(cls, path: str | Path, roofline: RooflineStepTime) -> "TableStepTime":
+    def load(cls, path: str | Path, roofline: OpStepTime) -> "TableStepTime":
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"decode step-time file {path} does not exist")
@@ -196,29 +172,12 @@ class TableStepTime:
         return cls(tables, roofline, add_comm=bool(raw.get("add_comm", False)), prefill_per_token=prefill)
 
 
-class LayerStepTime:
-    """``layers x decode_layer(tp, batch, context)`` plus the LM head and the collectives from the
-    roofline; ``decode_layer`` is one layer shard's measured time without communication."""
-
-    def __init__(self, decode_layer: Callable[[int, float, float], float], roofline: RooflineStepTime):
-        self.decode_layer, self.roofline = np.vectorize(decode_layer, otypes=[float]), roofline
-
-    def decode(self, tp: int, batch: np.ndarray, context: np.ndarray) -> np.ndarray:
-        cfg, hw = self.roofline.cfg, self.roofline.hw
-        shard = shard_for(cfg, Layout.contiguous(tp=tp), 0)
-        head = shard.vocab_size * cfg.hidden_size * self.roofline.item / hw.hbm_bandwidth
-        layers = cfg.num_layers * self.decode_layer(tp, batch, context)
-        return layers + head + hw.step_overhead + self.roofline.comm(tp, batch)
-
-    def prefill(self, tp: int, tokens: float, context: float) -> float:
-        return self.roofline.prefill(tp, tokens, context)
-
-
-def load_step_times(path: str, cfg: ModelConfig, dtype_bytes: int) -> tuple[StepTimeModel, Hardware]:
-    """The step-time model and hardware rates from ``path`` (a planner profile or measured decode
-    steps), or the roofline of an H200 when ``path`` is empty."""
+def load_step_times(path: str, cfg: ModelConfig, dtype_bytes: int) -> tuple[StepTimeModel, Cluster]:
+    """The step-time model and the rates from ``path`` (a planner profile or measured decode
+    steps), or the roofline of the default cluster when ``path`` is empty."""
+    cluster = Cluster()
     if not path:
-        return RooflineStepTime(cfg, dtype_bytes=dtype_bytes), Hardware()
+        return roofline_steps(cfg, cluster, dtype_bytes=dtype_bytes), cluster
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"adaptive TP step-time file {file} does not exist")
@@ -228,11 +187,7 @@ def load_step_times(path: str, cfg: ModelConfig, dtype_bytes: int) -> tuple[Step
         raise ValueError(f"adaptive TP step-time file {file} is not valid JSON: {e}") from None
     if isinstance(raw, dict) and raw.get("format") == PROFILE_FORMAT:
         profile = Profile.from_dict(raw, where=f"profile file {file}")
-        cluster = profile.cluster(Cluster())
-        hardware = Hardware(hbm_bandwidth=cluster.hbm_bandwidth, matmul_flops=cluster.matmul_flops,
-                            bus_bandwidth=cluster.intra_node_bandwidth, p2p_bandwidth=cluster.p2p_bandwidth,
-                            collective_latency=cluster.intra_node_latency)
-        costs = OpCosts(cluster, profile)
-        return LayerStepTime(lambda tp, batch, context: costs.decode_layer(cfg, tp, batch, context),
-                             RooflineStepTime(cfg, hardware, dtype_bytes=dtype_bytes)), hardware
-    return TableStepTime.load(file, RooflineStepTime(cfg, dtype_bytes=dtype_bytes)), Hardware()
+        cluster = profile.cluster(cluster)
+        ops = OpCosts(cluster, profile, Roofline(dtype_bytes=dtype_bytes))
+        return OpStepTime(cfg, ops, activation_bytes=dtype_bytes), cluster
+    return TableStepTime.load(file, roofline_steps(cfg, cluster, dtype_bytes=dtype_bytes)), cluster

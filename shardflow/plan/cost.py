@@ -25,6 +25,7 @@ from shardflow.parallel.layout import Layout
 from shardflow.perf.hardware import Cluster
 from shardflow.perf.profile import OpCosts
 from shardflow.perf.sharing import PROMPT_ROWS
+from shardflow.perf.step_time import OpStepTime
 from shardflow.plan.memory import Precision, rank_params, stage_layer_count
 from shardflow.plan.workload import Workload
 
@@ -63,6 +64,7 @@ class CostModel:
 
     def __post_init__(self) -> None:
         self._cache: dict[tuple, float] = {}
+        self._steps: dict[ModelConfig, OpStepTime] = {}
 
     @property
     def cluster(self) -> Cluster:
@@ -71,8 +73,7 @@ class CostModel:
     # ----- shared pieces ---------------------------------------------------------------------
 
     def _tp_all_reduce(self, cfg: ModelConfig, layout: Layout, tokens: float) -> float:
-        group = layout.ranks[:layout.tp]  # every tp group is a block of neighbours like the first
-        return self.ops.all_reduce(tokens * cfg.hidden_size * self.precision.activation_bytes, group)
+        return self.steps(cfg).all_reduce(layout.tp, tokens)  # tp groups never leave a node
 
     def _stage_send(self, cfg: ModelConfig, layout: Layout, tokens: float) -> float:
         """Activations of one micro-batch to the next stage (the slowest stage boundary)."""
@@ -88,19 +89,20 @@ class CostModel:
 
     # ----- generation ------------------------------------------------------------------------
 
+    def steps(self, cfg: ModelConfig) -> OpStepTime:
+        """Generation's step times of ``cfg`` (the model adaptive TP decides with too)."""
+        if cfg not in self._steps:
+            self._steps[cfg] = OpStepTime(cfg, self.ops, activation_bytes=self.precision.activation_bytes)
+        return self._steps[cfg]
+
     def decode_step(self, cfg: ModelConfig, layout: Layout, batch: float, context: float) -> float:
-        layers = cfg.num_layers * (self.ops.decode_layer(cfg, layout.tp, batch, context)
-                                   + 2 * self._tp_all_reduce(cfg, layout, batch))
-        # the head, then one small collective to agree on the sampled tokens across tp
-        sample = self._tp_all_reduce(cfg, layout, 1)
-        return layers + self.ops.head_forward(cfg, layout.tp, batch) + sample
+        return float(self.steps(cfg).decode(layout.tp, batch, context))
 
     def prefill(self, cfg: ModelConfig, layout: Layout, requests: float) -> float:
+        """The prompts of ``requests`` requests, the samples of a prompt sharing one prefill."""
         w = self.workload
         tokens = requests * w.prompt_tokens / w.samples_per_prompt
-        layer = (self.ops.layer_forward(cfg, layout.tp, tokens, w.prompt_tokens)
-                 + 2 * self._tp_all_reduce(cfg, layout, tokens))
-        return cfg.num_layers * layer + self.ops.head_forward(cfg, layout.tp, requests)
+        return self.steps(cfg).prefill(layout.tp, tokens, w.prompt_tokens, rows=requests)
 
     def generate(self, cfg: ModelConfig, layout: Layout, kv_slots: int) -> float:
         """Seconds for every replica to finish its requests with ``kv_slots`` KV-cache slots each."""

@@ -58,10 +58,11 @@ from shardflow.engine.generate.sampling import batch_mode
 from shardflow.models.transformer import Transformer
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.offload import regrow_storage, release_storage
-from shardflow.parallel.realloc_plan import transfer_plan
 from shardflow.parallel.sharding import check_layout, shard_for
 from shardflow.parallel.world import World
-from shardflow.perf.step_time import Hardware, RooflineStepTime, StepTimeModel
+from shardflow.perf.hardware import Cluster
+from shardflow.perf.step_time import StepTimeModel, roofline_steps
+from shardflow.perf.transfer import received_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class AdaptiveGenerator:
     def __init__(self, world: World, model: Transformer, targets: Sequence[Layout], *,
                  engine_config: EngineConfig = EngineConfig(), eos_token_ids: Sequence[int] = (),
                  config: AdaptiveConfig = AdaptiveConfig(), steps: StepTimeModel | None = None,
-                 hardware: Hardware = Hardware(), cost_params: CostParams = CostParams()):
+                 cluster: Cluster = Cluster(), cost_params: CostParams = CostParams()):
         """``model``: this rank's model in the starting layout. ``targets``: layouts to switch to,
         in order, each merging replicas of the one before; one that is not is refused (logged,
         listed in ``refused``) and left out. The groups of the start and of every target must
@@ -110,11 +111,7 @@ class AdaptiveGenerator:
                 self.models[layout] = view_model(cfg, model, layout, rank, tp_groups[layout])
             else:
                 self.models[layout] = allocated_model(cfg, layout, rank, tp_groups[layout], like=model)
-                received: dict[int, int] = {}
-                for t in transfer_plan(cfg, start, layout).transfers:
-                    if not t.local:
-                        received[t.dst_rank] = received.get(t.dst_rank, 0) + t.numel * item
-                self.weight_bytes[layout] = max(received.values(), default=0)
+                self.weight_bytes[layout] = max(received_bytes(cfg, start, layout, r, item) for r in layout.ranks)
 
         # Engines: the start engine owns the KV cache; every rank gets the same number of slots
         # (admission decisions depend on it), then each target decodes into a regrouped view. On
@@ -130,8 +127,8 @@ class AdaptiveGenerator:
             self.engines[layout] = GenerationEngine(self.models[layout], config_l, eos_token_ids=eos_token_ids,
                                           cache=first.cache.regroup(self._heads(layout)))
 
-        self.steps = steps or RooflineStepTime(cfg, hardware, dtype_bytes=item)
-        self.costs = SwitchCostModel(cfg, self.steps, hardware,
+        self.steps = steps or roofline_steps(cfg, cluster, dtype_bytes=item)
+        self.costs = SwitchCostModel(cfg, self.steps, cluster,
                                      dataclasses.replace(cost_params, bucket_bytes=config.bucket_bytes),
                                      dtype_bytes=item)
         self.predictor: LengthPredictor | None = None  # on the deciding rank, from the first generation on

@@ -22,7 +22,8 @@ from shardflow.config.model import ModelConfig
 from shardflow.engine.adaptive.kv_migration import MIGRATE, RECOMPUTE, keeps_own
 from shardflow.engine.adaptive.merge import Merge
 from shardflow.parallel.sharding import shard_for
-from shardflow.perf.step_time import Hardware, StepTimeModel
+from shardflow.perf.hardware import Cluster
+from shardflow.perf.step_time import StepTimeModel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,9 +50,9 @@ class CostParams:
 
 
 class SwitchCostModel:
-    def __init__(self, cfg: ModelConfig, steps: StepTimeModel, hardware: Hardware = Hardware(),
+    def __init__(self, cfg: ModelConfig, steps: StepTimeModel, cluster: Cluster = Cluster(),
                  params: CostParams = CostParams(), *, dtype_bytes: int = 2):
-        self.cfg, self.steps, self.hw, self.params, self.item = cfg, steps, hardware, params, dtype_bytes
+        self.cfg, self.steps, self.cluster, self.params, self.item = cfg, steps, cluster, params, dtype_bytes
 
     def kv_bytes_per_token(self, merge: Merge) -> int:
         """Bytes of one token's keys and values (all layers) on one rank of the new layout."""
@@ -70,7 +71,7 @@ class SwitchCostModel:
                 kept = active[own] * context[own] if keeps_own(self.cfg, merge, rank) else 0.0
                 busiest = max(busiest, (total - kept) * per_token)
         rounds = busiest / self.params.bucket_bytes + 1
-        return busiest / self.hw.p2p_bandwidth + rounds * self.params.round_latency_s, int(busiest)
+        return busiest / self.cluster.p2p_bandwidth + rounds * self.params.round_latency_s, int(busiest)
 
     def recompute_seconds(self, merge: Merge, active: Sequence[float], context: Sequence[float]) -> float:
         slowest = 0.0
@@ -85,7 +86,7 @@ class SwitchCostModel:
                  weight_bytes: int = 0, new_graphs: int = 0,
                  modes: Sequence[str] = (MIGRATE, RECOMPUTE)) -> SwitchCost | None:
         """The cheaper allowed KV mode's cost (None when no mode is allowed)."""
-        common = dict(weights_s=weight_bytes / self.hw.p2p_bandwidth, graphs_s=new_graphs * self.params.graph_capture_s,
+        common = dict(weights_s=weight_bytes / self.cluster.p2p_bandwidth, graphs_s=new_graphs * self.params.graph_capture_s,
                       overhead_s=self.params.overhead_s)
         options = []
         if MIGRATE in modes:

@@ -89,9 +89,9 @@ def adaptive_generator(world: World, model: Transformer, targets: Sequence[Layou
     """The adaptive generator of a generate call: ``model`` in the plan's layout, switching to the
     plan's ``targets`` as ``settings`` say, its step times from ``settings.step_times`` (the
     roofline when empty). Collective over the layout's ranks."""
-    steps, hardware = load_step_times(settings.step_times, model.cfg, next(model.parameters()).element_size())
+    steps, cluster = load_step_times(settings.step_times, model.cfg, next(model.parameters()).element_size())
     return AdaptiveGenerator(world, model, targets, engine_config=engine_config, eos_token_ids=eos_token_ids,
-                             config=settings, steps=steps, hardware=hardware)
+                             config=settings, steps=steps, cluster=cluster)
 
 
 def _generate(ctx: CallContext, engine: GenerationEngine) -> SequenceBatch | None:
