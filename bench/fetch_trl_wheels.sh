@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels for the TRL comparison of bench/iteration.py on a machine without a package index
 # (Python 3.12, x86-64): TRL and what it needs beyond torch and transformers. Run where pip
-# reaches an index; bench/h200.sh installs whatever lies in .whl/ before its parts run.
+# reaches an index; bench/run.py installs whatever lies in .whl/ before its suites run.
 #   bash bench/fetch_trl_wheels.sh [DIR]   (default .whl)
 set -eu
 DIR=${1:-.whl}

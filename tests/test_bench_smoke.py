@@ -71,3 +71,21 @@ def test_prompt_kv_cascade_equals_the_engine_kernel_in_the_interpreter(tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads((tmp_path / "prompt_kv_attention.json").read_text())["rows"]
     assert rows and all(r["max_abs_diff"] < 1e-5 for r in rows)
+
+
+def test_every_suite_step_names_a_script_and_what_it_writes():
+    """bench/run.py's suites: each step runs a script of bench/ whose CPU mode is tested above (or
+    one that only measures GPUs), and keeps the JSON that script writes."""
+    sys.path.insert(0, str(BENCH))
+    import run as runner
+
+    for suite, steps in runner.SUITES.items():
+        for step in steps:
+            assert (BENCH / step.script).is_file(), (suite, step.name)
+            written = CASES.get(step.script, (None, step.script.replace(".py", ".json")))[1]
+            assert written in step.keep, (suite, step.name, written)
+    done = subprocess.run([sys.executable, str(BENCH / "run.py"), "--list"], capture_output=True, text=True)
+    assert done.returncode == 0 and "decode:" in done.stdout and "iteration:" in done.stdout
+    done = subprocess.run([sys.executable, str(BENCH / "run.py"), "nosuch", "--out", "x"], capture_output=True,
+                          text=True)
+    assert done.returncode == 2 and "unknown suite(s) ['nosuch']" in done.stderr

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import io
 import json
+import logging
 
 import pytest
 import torch
@@ -43,15 +43,15 @@ def read_scalars(directory) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def test_logger_writes_jsonl_tensorboard_and_console(tmp_path):
-    console = io.StringIO()
-    with MetricsLogger(tmp_path, console=console) as logger:
+def test_logger_writes_jsonl_tensorboard_and_console(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="shardflow")
+    with MetricsLogger(tmp_path) as logger:
         for step in (1, 2, 3):
             logger.log(step, {"reward/mean": 0.1 * step, "time": {"actor_gen": 1.0}, "plan": "symmetric"})
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3]
     assert lines[1]["reward/mean"] == pytest.approx(0.2) and lines[1]["plan"] == "symmetric"
-    assert console.getvalue().splitlines()[2].startswith("iter 3 reward 0.3")
+    assert caplog.messages[2].startswith("iter 3 reward 0.3")
     scalars = read_scalars(tmp_path / "tensorboard")
     assert [s for s, _ in scalars["reward/mean"]] == [1, 2, 3]
     assert scalars["reward/mean"][2][1] == pytest.approx(0.3)
@@ -59,12 +59,12 @@ def test_logger_writes_jsonl_tensorboard_and_console(tmp_path):
 
 
 def test_resumed_logger_drops_what_came_after_the_checkpoint(tmp_path):
-    with MetricsLogger(tmp_path, console=None) as logger:
+    with MetricsLogger(tmp_path, console=False) as logger:
         for step in (1, 2, 3, 4):
             logger.log(step, {"reward/mean": float(step)})
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "rew')  # a line cut by a kill
-    with MetricsLogger(tmp_path, console=None, resume_step=2) as logger:
+    with MetricsLogger(tmp_path, console=False, resume_step=2) as logger:
         logger.log(3, {"reward/mean": 30.0})
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["reward/mean"]) for r in lines] == [(1, 1.0), (2, 2.0), (3, 30.0)]

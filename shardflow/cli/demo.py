@@ -7,6 +7,7 @@ pipeline (full recompute per token) and checks both against ``transformers``.
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import torch
@@ -19,6 +20,8 @@ from shardflow.models.tiny import make_tiny_checkpoint
 from shardflow.parallel import comm
 from shardflow.parallel.launch import launch
 from shardflow.parallel.layout import Layout
+
+logger = logging.getLogger(__name__)
 
 PROMPT = "shardflow splits models: "
 NEW_TOKENS = 12
@@ -78,14 +81,14 @@ def _demo_rank(world, path: str, layout_text: str) -> None:
             ref_lp = torch.log_softmax(ref(prompt).logits[:, :-1], -1).gather(-1, prompt[:, 1:, None]).squeeze(-1)
             ref_ids = ref.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                                    pad_token_id=0)
-        print(f"layout {layout}: {layout.pp} pipeline stages x {layout.tp} tensor-parallel shards")
+        logger.info(f"layout {layout}: {layout.pp} pipeline stages x {layout.tp} tensor-parallel shards")
         for text in lines:
-            print("  " + text)
+            logger.info("  " + text)
         diff = (ours_lp - ref_lp).abs().max().item()
-        print(f"prompt log-prob: {ours_lp.sum().item():.4f} (transformers {ref_lp.sum().item():.4f}, "
+        logger.info(f"prompt log-prob: {ours_lp.sum().item():.4f} (transformers {ref_lp.sum().item():.4f}, "
               f"max per-token difference {diff:.1e})")
         same = torch.equal(ids, ref_ids)
-        print(f"greedy continuation: {tokenizer.decode(ids[0, prompt.shape[1]:])!r} "
+        logger.info(f"greedy continuation: {tokenizer.decode(ids[0, prompt.shape[1]:])!r} "
               f"({'identical to' if same else 'DIFFERS from'} transformers)")
         if not same or diff > 1e-4:
             raise RuntimeError("sharded model disagrees with transformers")

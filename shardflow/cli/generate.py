@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ from shardflow.models.checkpoint import load_model
 from shardflow.parallel.launch import launch
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import check_layout
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="BLAS library of the decode step's products (GPU; default: torch's)")
     p.add_argument("--transposed-weights", action="store_true",
                    help="decode products read their weights stored transposed (GPU; other cuBLAS kernels, "
-                        "1-3%% faster steps on H200, for a copy of o, down and the LM head)")
+                        "for a copy of o, down and the LM head)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -230,7 +233,7 @@ class OutputWriter:
         self.bar.close()
         self.file.close()
         seconds = time.perf_counter() - self.start
-        print(f"wrote {self.done} completions ({self.tokens} tokens) to {self.job.output} in {seconds:.1f}s "
+        logger.info(f"wrote {self.done} completions ({self.tokens} tokens) to {self.job.output} in {seconds:.1f}s "
               f"({self.tokens / max(seconds, 1e-9):.1f} tokens/s)")
 
 

@@ -15,6 +15,9 @@ import sys
 from dataclasses import dataclass
 
 from shardflow.parallel.failures import RankFailed
+from shardflow.parallel.logs import setup_logging
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -61,14 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     only = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(only if only in COMMANDS else "").parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(message)s", force=True)
+    setup_logging(args.log_level)
     try:
         args.run(args)
     except RankFailed as e:
-        print(f"shardflow: {e}", file=sys.stderr)
+        logger.error(f"shardflow: {e}")
         return 1
     except (ValueError, FileNotFoundError) as e:
-        print(f"shardflow: error: {e}", file=sys.stderr)
+        logger.error(f"shardflow: error: {e}")
         return 2
     return 0
 

@@ -8,6 +8,7 @@ A simulated cluster is fine: model directories holding only ``config.json`` are 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from shardflow.plan.search import SearchOptions, SearchResult, exhaustive, mcmc
 from shardflow.plan.space import Space
 from shardflow.plan.timeline import draw_timeline
 from shardflow.runtime.validate import check_config
+
+logger = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,7 +72,7 @@ def plan_experiment(config_path: str, overrides: list[str] = (), *, devices: int
                     profile: str | None = None, options: SearchOptions = SearchOptions(),
                     use_exhaustive: bool = False, prompt_tokens: int | None = None,
                     response_mean: float | None = None, response_std: float | None = None,
-                    iterations: int = 3, echo=print) -> PlanOutcome:
+                    iterations: int = 3) -> PlanOutcome:
     config = load_config(config_path, list(overrides))
     check_config(config)
     if devices is None and nodes is None:
@@ -80,10 +83,10 @@ def plan_experiment(config_path: str, overrides: list[str] = (), *, devices: int
                                   prompt_tokens=prompt_tokens, response_mean=response_mean,
                                   response_std=response_std, iterations=iterations)
     space = Space(problem)
-    echo(f"cluster: {problem.cluster.describe()}" + (f" (profile of {prof.device})" if prof else " (roofline)"))
-    echo(f"workload: {problem.workload.describe()}")
+    logger.info(f"cluster: {problem.cluster.describe()}" + (f" (profile of {prof.device})" if prof else " (roofline)"))
+    logger.info(f"workload: {problem.workload.describe()}")
     for line in describe_models(problem):
-        echo(f"model {line}")
+        logger.info(f"model {line}")
 
     baselines = {"symmetric": symmetric(problem), "heuristic": heuristic(problem)}
     if use_exhaustive:
@@ -109,8 +112,8 @@ def plan_experiment(config_path: str, overrides: list[str] = (), *, devices: int
     picture = draw_timeline(result.estimate.sim.events, problem.cluster.num_devices, out_dir / "plan.png",
                             title=f"{problem.graph.name}: {result.estimate.iteration_s:.2f} s per iteration (estimated)")
     for line in format_table(problem, result, baselines):
-        echo(line)
-    echo(f"wrote {plan_file} and {picture}")
+        logger.info(line)
+    logger.info(f"wrote {plan_file} and {picture}")
     return PlanOutcome(problem, result, baselines, plan_file, picture)
 
 

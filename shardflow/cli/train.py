@@ -8,6 +8,7 @@ start is checked first (config keys and types, model configs, the plan, the data
 from __future__ import annotations
 
 import argparse
+import logging
 
 from shardflow.config.experiment import ExperimentConfig
 from shardflow.config.load import load_config, parse_override
@@ -18,6 +19,8 @@ from shardflow.rl.algorithms import ALGORITHMS
 from shardflow.rl.rewards import REWARD_KINDS
 from shardflow.runtime.driver import train_rank
 from shardflow.runtime.validate import prepare
+
+logger = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,12 +47,13 @@ def run(args: argparse.Namespace) -> None:
 def train(config) -> None:
     prepared = prepare(config)
     out = config.run.output_dir
-    print(f"shardflow train: {config.algorithm.name} on {config.run.devices} {prepared.backend} rank(s), "
+    logger.info(f"shardflow train: {config.algorithm.name} on {config.run.devices} {prepared.backend} rank(s), "
           f"{config.run.iterations} iterations, output in {out}")
     for name, cp in prepared.plan.calls.items():
-        print(f"  {name:<14} {cp.layout}")
-    launch(train_rank, config.run.devices, prepared, backend=prepared.backend)
-    print(f"done: metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}")
+        logger.info(f"  {name:<14} {cp.layout}")
+    launch(train_rank, config.run.devices, prepared, backend=prepared.backend, log_dir=out / "logs")
+    logger.info(f"done: metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}, "
+                f"logs in {out / 'logs'}")
 
 
 def _example_out_dir(overrides: list[str]) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from shardflow.config.experiment import RENAMED, ExperimentConfig
+from shardflow.config.files import read_yaml
 from shardflow.config.schema import build
 
 
@@ -24,12 +25,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dic
     raw: dict[str, Any] = dict(base or {})
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"config file {path} is not valid YAML: {e}") from None
+        loaded = read_yaml(path, "config file") or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {path} must hold a mapping at the top level")
         raw = merge(raw, loaded)

@@ -7,10 +7,11 @@ not implement is refused here with an error that names the option, before any we
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from shardflow.config.files import read_json
 
 # architecture name -> (family, has value head)
 ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -142,11 +143,7 @@ class ModelConfig:
         config_file = path / "config.json" if path.is_dir() else path
         if not config_file.is_file():
             raise FileNotFoundError(f"{key + ': ' if key else ''}no config.json at {config_file}")
-        try:
-            raw = json.loads(config_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{config_file} is not valid JSON: {e}") from None
-        return cls.from_hf_dict(raw)
+        return cls.from_hf_dict(read_json(config_file, "model config"))
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":

@@ -6,10 +6,12 @@ unsupported pattern, a code-generation bug of one torch release) must cost speed
 
 from __future__ import annotations
 
-import warnings
+import logging
 from typing import Callable, TypeVar
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable)
 
@@ -36,7 +38,7 @@ def compiled_or_eager(fn: F, what: str, **compile_options) -> F:
                 with torch._dynamo.config.patch(**strict):
                     return compiled(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, say so
-                warnings.warn(f"torch.compile of {what} failed, running it eager: {type(e).__name__}: "
+                logger.warning(f"torch.compile of {what} failed, running it eager: {type(e).__name__}: "
                               f"{str(e)[:2000]}")
                 failed = True
         return fn(*args, **kwargs)

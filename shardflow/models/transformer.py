@@ -11,8 +11,8 @@ V local vocabulary rows.
 
 from __future__ import annotations
 
+import logging
 import math
-import warnings
 from typing import Callable
 
 import torch
@@ -27,6 +27,8 @@ from shardflow.models.tensor_parallel import RowParallelLinear, VocabParallelEmb
 from shardflow.models.token_stats import token_logprobs_and_entropy
 from shardflow.parallel.comm import copy_to_tp
 from shardflow.parallel.sharding import RankShard
+
+logger = logging.getLogger(__name__)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -262,7 +264,7 @@ class Transformer(nn.Module):
         try:
             compiled(layer, x, cos, sin, None).sum().backward()
         except Exception as e:  # noqa: BLE001 - any compiler failure: stay eager, say so
-            warnings.warn(f"torch.compile of the decoder layers failed, running eager: {type(e).__name__}: {e}")
+            logger.warning(f"torch.compile of the decoder layers failed, running eager: {type(e).__name__}: {e}")
             return False
         finally:
             self.zero_grad(set_to_none=True)

@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from multiprocessing import connection as mp_connection
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardflow.parallel.failures import RankFailed
+from shardflow.parallel.logs import current_level, setup_logging
 from shardflow.parallel.world import init_world
 
 Entry = Callable[..., Any]
@@ -36,8 +38,10 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def launch(entry: Entry, nprocs: int, *args: Any, backend: str | None = None) -> Any:
-    """Run ``entry(world, *args)`` on every rank.
+def launch(entry: Entry, nprocs: int, *args: Any, backend: str | None = None,
+           log_dir: str | Path | None = None) -> Any:
+    """Run ``entry(world, *args)`` on every rank, each logging at this process's level (and to
+    ``log_dir``, see ``parallel.logs``).
 
     Under torchrun this process is one rank of the existing job (``nprocs`` must match its
     world size) and the entry's result is returned. Otherwise ``nprocs`` ranks are spawned and
@@ -45,6 +49,7 @@ def launch(entry: Entry, nprocs: int, *args: Any, backend: str | None = None) ->
     """
     if under_torchrun():
         size = int(os.environ["WORLD_SIZE"])
+        setup_logging(current_level(), rank=int(os.environ["RANK"]), log_dir=log_dir)
         if size != nprocs:
             raise ValueError(f"the job needs {nprocs} ranks but torchrun started {size}")
         world = init_world(int(os.environ["RANK"]), size, "env://", backend,
@@ -58,7 +63,8 @@ def launch(entry: Entry, nprocs: int, *args: Any, backend: str | None = None) ->
     init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank_main, args=(rank, entry, nprocs, init_method, backend, args, errors),
+    procs = [ctx.Process(target=_rank_main, args=(rank, entry, nprocs, init_method, backend, args, errors,
+                                                         current_level(), log_dir),
                          daemon=False) for rank in range(nprocs)]
     for p in procs:
         p.start()
@@ -108,8 +114,9 @@ def _stop(procs) -> None:
 
 
 def _rank_main(rank: int, entry: Entry, size: int, init_method: str, backend: str | None,
-               args: tuple, errors) -> None:
+               args: tuple, errors, log_level: int, log_dir: str | Path | None) -> None:
     try:
+        setup_logging(log_level, rank=rank, log_dir=log_dir)
         world = init_world(rank, size, init_method, backend)
         if world.backend == "gloo":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))

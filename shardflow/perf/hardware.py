@@ -1,9 +1,9 @@
 """A cluster to plan for: nodes x GPUs per node, memory, compute and link rates.
 
-The defaults describe an H200 node (141 GB, ~790 TFLOP/s bf16 dense and ~4.3 TB/s copy bandwidth
-as measured on one), NVLink inside a node and one 400 Gb/s NIC per GPU between nodes. They are
-only a starting point: a measured profile (``shardflow profile``) replaces the rates it measured
-(``Cluster.with_rates``), and every field can be set for a cluster that is not at hand.
+The defaults describe a node of eight H200 GPUs with NVLink inside the node and one NIC per GPU
+between nodes (the field values below). They are only a starting point: a measured profile
+(``shardflow profile``) replaces the rates it measured (``Cluster.with_rates``), and every field
+can be set for a cluster that is not at hand. The planner and adaptive TP read the same rates.
 
 Ranks are numbered node by node: node ``n`` holds ranks ``n * gpus_per_node`` onwards.
 """

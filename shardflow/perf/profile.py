@@ -2,7 +2,7 @@
 
 A profile is JSON:
 
-    {"format": "shardflow-profile/1", "device": "NVIDIA H200",
+    {"format": "shardflow-profile/1", "device": "<GPU name>",
      "rates": {"matmul_flops": 7.9e14, "hbm_bandwidth": 4.3e12, ...},   # Cluster fields measured
      "layers": {"<layer key>": {"<tp>": {"forward":  {"x": tokens, "y": seqlens, "seconds": [[...]]},
                                          "backward": {...},
@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from shardflow.config.files import read_json
 from shardflow.config.model import ModelConfig
 from shardflow.perf.hardware import Cluster
 from shardflow.perf.roofline import Roofline, head_shape, layer_shape
@@ -176,14 +177,7 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"profile file {path} does not exist")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"profile file {path} is not valid JSON: {e}") from None
-        return cls.from_dict(raw, where=f"profile file {path}")
+        return cls.from_dict(read_json(path, "profile file"), where=f"profile file {path}")
 
 
 class OpCosts:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from shardflow.config.files import read_json
 from shardflow.config.model import ModelConfig
 from shardflow.perf.hardware import Cluster
 from shardflow.perf.profile import FORMAT as PROFILE_FORMAT
@@ -157,11 +158,8 @@ class TableStepTime:
 
     @classmethod
     def load(cls, path: str | Path, roofline: OpStepTime) -> "TableStepTime":
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"decode step-time file {path} does not exist")
+        raw = read_json(path, "decode step-time file")
         try:
-            raw = json.loads(path.read_text())
             if raw.get("format") != FORMAT:
                 raise ValueError(f"expected format {FORMAT!r}")
             tables = {int(tp): StepTable(tuple(t["batches"]), tuple(t["contexts"]),
@@ -179,12 +177,7 @@ def load_step_times(path: str, cfg: ModelConfig, dtype_bytes: int) -> tuple[Step
     if not path:
         return roofline_steps(cfg, cluster, dtype_bytes=dtype_bytes), cluster
     file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"adaptive TP step-time file {file} does not exist")
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"adaptive TP step-time file {file} is not valid JSON: {e}") from None
+    raw = read_json(file, "adaptive TP step-time file")
     if isinstance(raw, dict) and raw.get("format") == PROFILE_FORMAT:
         profile = Profile.from_dict(raw, where=f"profile file {file}")
         cluster = profile.cluster(cluster)

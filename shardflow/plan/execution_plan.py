@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from shardflow.config.files import read_yaml
 from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout, split_replicas
 from shardflow.parallel.sharding import check_layout
@@ -138,14 +139,7 @@ class ExecutionPlan:
 
     @classmethod
     def load(cls, path: str | Path) -> "ExecutionPlan":
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"plan file {path} does not exist")
-        try:
-            raw = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise ValueError(f"plan file {path} is not valid YAML: {e}") from None
-        return cls.from_dict(raw, where=f"plan file {path}")
+        return cls.from_dict(read_yaml(path, "plan file"), where=f"plan file {path}")
 
 
 def check_merge(src: Layout, dst: Layout) -> None:

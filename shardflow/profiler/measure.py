@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import statistics
 import time
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from shardflow.perf.hardware import Cluster
 from shardflow.perf.profile import HeadProfile, LayerProfile, Profile, Table, head_key, layer_key
 from shardflow.perf.roofline import Roofline, layer_shape
 from shardflow.plan.space import splits
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -270,22 +273,22 @@ def profile_head(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, dt
 
 def profile_model(cfg: ModelConfig, *, tps: tuple[int, ...], grid: Grid = Grid(), device: torch.device,
                   dtype: torch.dtype, cuda_graphs: bool = False, compile_layers: bool = True,
-                  transposed_weights: bool = False, echo=print) -> Profile:
+                  transposed_weights: bool = False) -> Profile:
     rates = measure_rates(device, dtype)
-    echo(f"GEMM {rates['matmul_flops'] / 1e12:.1f} TFLOP/s, copy {rates['hbm_bandwidth'] / 1e9:.0f} GB/s")
+    logger.info(f"GEMM {rates['matmul_flops'] / 1e12:.1f} TFLOP/s, copy {rates['hbm_bandwidth'] / 1e9:.0f} GB/s")
     cluster = Cluster().with_rates(**rates)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     profile = Profile(device=name, rates=rates)
     for tp in tps:
         if not splits(cfg, 1, tp):
-            echo(f"tp={tp}: skipped, the model cannot be split that way")
+            logger.info(f"tp={tp}: skipped, the model cannot be split that way")
             continue
         t0 = time.perf_counter()
         layer = profile_layer(cfg, tp, grid, device, dtype, cuda_graphs=cuda_graphs, compile_layers=compile_layers,
                               transposed_weights=transposed_weights, cluster=cluster)
         profile.layers.setdefault(layer_key(cfg), {})[tp] = layer
         profile.heads.setdefault(head_key(cfg), {})[tp] = profile_head(cfg, tp, grid, device, dtype)
-        echo(f"tp={tp}: layer forward {layer.forward(grid.tokens[-1], grid.seqlens[0]) * 1e3:.3f} ms at "
+        logger.info(f"tp={tp}: layer forward {layer.forward(grid.tokens[-1], grid.seqlens[0]) * 1e3:.3f} ms at "
              f"{grid.tokens[-1]} tokens, decode {layer.decode(grid.batches[0], grid.contexts[0]) * 1e6:.0f} us "
              f"at batch {grid.batches[0]} ({time.perf_counter() - t0:.0f} s)")
     return profile
@@ -334,7 +337,7 @@ def measure_links(world, out_path: str, sizes: tuple[int, ...], reps: int = 5) -
 
 def run_profile(model: str, out: str, *, tps: str = "1,2,4,8", quick: bool = False, ranks: int | None = None,
                 device: str | None = None, cuda_graphs: bool = False, compile_layers: bool = True,
-                transposed_weights: bool = False, echo=print) -> Profile:
+                transposed_weights: bool = False) -> Profile:
     cfg = ModelConfig.from_pretrained(model)
     try:
         tp_list = tuple(int(t) for t in str(tps).split(",") if t)
@@ -348,7 +351,7 @@ def run_profile(model: str, out: str, *, tps: str = "1,2,4,8", quick: bool = Fal
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     profile = profile_model(cfg, tps=tp_list, grid=QUICK if quick else Grid(), device=dev, dtype=dtype,
                             cuda_graphs=cuda_graphs, compile_layers=compile_layers,
-                            transposed_weights=transposed_weights, echo=echo)
+                            transposed_weights=transposed_weights)
     if ranks is None:
         ranks = torch.cuda.device_count() if dev.type == "cuda" else 0
     if ranks > 1:
@@ -357,8 +360,8 @@ def run_profile(model: str, out: str, *, tps: str = "1,2,4,8", quick: bool = Fal
         launch(measure_links, ranks, str(links), sizes, backend="nccl" if dev.type == "cuda" else "gloo")
         profile.rates.update(json.loads(links.read_text()))
         links.unlink()
-        echo(f"links: all-reduce {profile.rates['intra_node_bandwidth'] / 1e9:.0f} GB/s bus bandwidth, "
+        logger.info(f"links: all-reduce {profile.rates['intra_node_bandwidth'] / 1e9:.0f} GB/s bus bandwidth, "
              f"point-to-point {profile.rates['p2p_bandwidth'] / 1e9:.0f} GB/s")
     profile.save(out)
-    echo(f"wrote {out}")
+    logger.info(f"wrote {out}")
     return profile

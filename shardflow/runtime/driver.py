@@ -35,7 +35,7 @@ from shardflow.runtime import checkpointing
 from shardflow.runtime.calls import CALL_KINDS
 from shardflow.runtime.calls.context import CallContext, CallReport, RunState
 from shardflow.runtime.calls.data import Held, communication_groups, is_holder, join, push_outputs
-from shardflow.runtime.metrics import MetricsLogger, format_line
+from shardflow.runtime.metrics import MetricsLogger
 from shardflow.runtime.models import ModelSlot
 from shardflow.runtime.pictures import draw_generation, draw_timeline
 from shardflow.runtime.report import merge_reports
@@ -186,7 +186,7 @@ def train_rank(world: World, prepared: Prepared) -> None:
     metrics = None
     if world.rank == 0:
         resume = run.start_iteration if run.start_iteration else None
-        metrics = MetricsLogger(run.out_dir, tensorboard=config.run.tensorboard, console=None, resume_step=resume)
+        metrics = MetricsLogger(run.out_dir, tensorboard=config.run.tensorboard, resume_step=resume)
         (run.out_dir / "plan.yaml").write_text(run.plan.to_yaml())
     iterations = range(run.start_iteration + 1, config.run.iterations + 1)
     bar = tqdm(iterations, desc="iterations", disable=world.rank != 0 or not config.run.progress, dynamic_ncols=True)
@@ -195,8 +195,7 @@ def train_rank(world: World, prepared: Prepared) -> None:
         summary = run.iteration(it)
         last = summary
         if metrics is not None:
-            flat = metrics.log(it, {k: v for k, v in summary.items() if not k.startswith("_")})
-            bar.write(format_line(it, flat))
+            metrics.log(it, {k: v for k, v in summary.items() if not k.startswith("_")})
         if config.run.checkpoints and config.run.save_every and it % config.run.save_every == 0 \
                 and it != config.run.iterations:
             run.save(it)

@@ -10,13 +10,15 @@ through under its own name. Only one rank (the driver's rank 0) should own a ``M
 from __future__ import annotations
 
 import json
+import logging
 import math
-import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # keys shown first on the console, with a short label; the rest follow in sorted order
 CONSOLE_FIRST = (
@@ -95,13 +97,13 @@ def _number(value: Any) -> str:
 
 class MetricsLogger:
     """Writes each iteration's metrics to ``out_dir/metrics.jsonl`` (one JSON object per line,
-    flushed at once), TensorBoard events under ``out_dir/tensorboard`` and a console line.
+    flushed at once), TensorBoard events under ``out_dir/tensorboard`` and a console line (logged).
 
     ``resume_step``: the last iteration a resumed run already has; lines and events after it,
     written by the run that was killed after its checkpoint, are dropped.
     """
 
-    def __init__(self, out_dir: str | Path, *, tensorboard: bool = True, console: TextIO | None = sys.stdout,
+    def __init__(self, out_dir: str | Path, *, tensorboard: bool = True, console: bool = True,
                  resume_step: int | None = None):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -131,8 +133,8 @@ class MetricsLogger:
                 if _is_number(value):
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
-        if self.console is not None:
-            print(format_line(step, flat), file=self.console, flush=True)
+        if self.console:
+            logger.info(format_line(step, flat))
         return flat
 
     def close(self) -> None:

@@ -33,9 +33,8 @@ try:
 except ImportError:  # the plain path needs no Triton
     triton = None
 
-# Positions per inner step, warps, pipeline stages: one setting for all shapes, within 3% of the
-# best of a sweep (bench/decode_profile.py --sweep, H200, LLaMA-3.1-8B and Qwen3-1.7B shapes,
-# contexts 320-8K) at batch 1, 64 and 256, and 13% at batch 16 x 1K (see BENCHMARKS.md).
+# Positions per inner step, warps, pipeline stages: one setting for all shapes, chosen from a
+# sweep over model shapes, batches and contexts (bench/decode_profile.py --sweep; BENCHMARKS.md).
 BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 4, 2
 # Programs resident on an SM at these settings (two stages of a 64 x 128 K and V tile in bf16 take
 # 64 KB of its 228 KB of shared memory): the splits fill one wave of them, and no more.
@@ -114,7 +113,7 @@ if triton is not None:
         rows of one group (see ``decode_attention_triton``), the online-softmax state of the run's
         rows x GROUP query heads over the group's shared prompt positions, read once from b's slot.
         A program per window rather than per row: most rows lead nothing, and empty programs are
-        not free (one per row cost ~7 us per call on the GRPO shape, an H200)."""
+        not free (one per row costs microseconds per call)."""
         w = tl.program_id(0)
         kvh = tl.program_id(1)
         offs_q = tl.arange(0, BLOCK_Q)

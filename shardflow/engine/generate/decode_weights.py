@@ -8,9 +8,9 @@ speed at small batches:
 - q/k/v and gate/up are concatenated, so one product over the concatenation replaces three (or
   two) small ones (made on GPUs always);
 - optionally every decode product (q/k/v, o, gate/up, down, LM head) reads its weight stored
-  transposed, [in, out] (``x @ w``), for which cuBLAS picks other kernels (on H200 decode steps
-  1-3% faster from batch 1 to 256: see BENCHMARKS.md). This costs a copy of o, down and the head
-  besides the concatenations.
+  transposed, [in, out] (``x @ w``), for which cuBLAS picks other kernels (faster or not by the
+  shape and batch: BENCHMARKS.md). This costs a copy of o, down and the head besides the
+  concatenations.
 
 Copies are snapshots: ``refresh`` rewrites them in place after the weights change, so CUDA graphs
 captured over them stay valid. Forward passes that record gradients always read the parameters.

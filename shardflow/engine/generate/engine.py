@@ -67,9 +67,8 @@ class EngineConfig:
     # default. Which one is faster depends on the shape and batch (see BENCHMARKS.md); fixed per
     # run, not timed at run time, so that a seed gives the same tokens in every run.
     blas_library: str | None = None
-    # Decode products read their weights stored transposed ([in, out]): other cuBLAS kernels, on
-    # H200 1-3% faster steps (see BENCHMARKS.md), for a copy of o, down and the LM head (memory the
-    # KV cache then lacks). On CPU only this option makes decode copies at all (to test the path).
+    # Decode products read their weights stored transposed ([in, out]): other cuBLAS kernels
+    # (BENCHMARKS.md), for a copy of o, down and the LM head (memory the KV cache then lacks). On CPU only this option makes decode copies at all (to test the path).
     transposed_weights: bool = False
     # Decode attention reads the prompt of a prefill's samples once for all of them (GRPO groups):
     # fewer KV bytes by the prompt's share of each context (Triton attention only; see
