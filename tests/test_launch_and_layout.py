@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from shardflow.config.model import ModelConfig
@@ -27,6 +30,23 @@ def test_failing_rank_ends_the_job_with_its_traceback():
     assert "rank 1 failed" in str(info.value) and "boom from rank one" in str(info.value)
     assert "_rank_one_fails" in str(info.value)  # the traceback, not just the message
     assert time.monotonic() - start < 90  # spawning two torch processes dominates
+
+
+def _rank_one_is_killed(world) -> None:
+    dist.barrier()
+    if world.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as ``kill -9`` from outside: no report, no teardown
+    for _ in range(1000):  # the others talk to it until their connection breaks
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.01)
+
+
+def test_the_rank_that_died_first_is_named_and_the_others_follow():
+    with pytest.raises(RankFailed) as info:
+        launch(_rank_one_is_killed, 3, backend="gloo")
+    text = str(info.value)
+    assert text.startswith("rank 1 died from signal SIGKILL"), text
+    assert "then, in the order they failed:" in text and "rank 0:" in text and "rank 2:" in text, text
 
 
 def test_layout_round_trips_and_groups():

@@ -31,6 +31,8 @@ def test_flatten_and_console_line():
     line = format_line(7, {**flat, "response_length/clip_ratio": 0.125, "gen/tokens_per_s": 1234.5678})
     assert line.startswith("iter 7 reward 0.5 clip 12% pg -0.25 gnorm 1.5 time 3.25s")
     assert "actor_gen 2s" in line and "gen/tokens_per_s 1235" in line and "note" not in line
+    short = format_line(7, {**flat, "response_length/mean": 4.25, "actor/kl": 0.002}, full=False)
+    assert short == "iter 7 reward 0.5 len 4.25 kl 0.002 time 3.25s"  # the default console line
     with pytest.raises(ValueError, match="metric 'x' is a tensor of shape \\(2,\\), not a scalar"):
         flatten({"x": torch.zeros(2)})
 
@@ -98,3 +100,13 @@ def test_iteration_summary_splits_generation_time():
     assert summary[f"time/{name}/prefill"] == pytest.approx(0.2)
     assert summary[f"time/{name}/decode"] == pytest.approx(0.8)  # the rank with the most steps
     assert summary[f"time/{name}/decode_step"] == pytest.approx(0.2)
+
+
+def test_generation_picture_draws_one_line_per_replica(tmp_path):
+    from shardflow.runtime.pictures import draw_generation, replica_lines
+
+    decode = {"actor_gen @ rank 0": [(4, 0.1), (3, 0.1)], "actor_gen @ rank 1": [(4, 0.1), (3, 0.1)],
+              "actor_gen @ rank 2": [(4, 0.1), (1, 0.1), (1, 0.1)]}
+    assert replica_lines(decode) == {"actor_gen @ ranks 0, 1": [4, 3], "actor_gen @ rank 2": [4, 1, 1]}
+    draw_generation(decode, tmp_path / "generation.png")
+    assert (tmp_path / "generation.png").stat().st_size > 0

@@ -132,10 +132,21 @@ def test_score_batch_decodes_prompts_and_responses():
         plens.append(len(p))
     batch = SequenceBatch.from_lists([0, 1], {"input_ids": seqs, "loss_mask": masks},
                                      {"prompt_lengths": torch.tensor(plens)}, {"answers": ["3", "8"]})
-    rewards = score_batch(batch, tok, fn)
+    rewards = score_batch(batch, tok, fn).rewards
     assert rewards.dtype == torch.float32 and rewards.tolist() == [1.0, 1.0]
     assert seen == {"prompts": ["1+2=", "4+4="], "responses": ["3", "7x"], "answers": ["3", "8"]}
-    assert score_batch(batch, tok, reward_function(RewardConfig())).tolist() == [1.0, 0.0]
+    assert score_batch(batch, tok, reward_function(RewardConfig())).rewards.tolist() == [1.0, 0.0]
+
+    def fragile(prompts, responses, answers):  # raises on one response of the batch
+        if "7x" in responses:
+            raise ZeroDivisionError("cannot score 7x")
+        return [2.0] * len(responses)
+
+    scores = score_batch(batch, tok, fragile, error_value=-1.0)  # contained: the others keep their reward
+    assert scores.rewards.tolist() == [2.0, -1.0] and scores.errors == 1
+    assert scores.first_error == "ZeroDivisionError: cannot score 7x"
+    with pytest.raises(ZeroDivisionError):
+        score_batch(batch, tok, fragile)  # not contained: the caller decides
 
 
 def test_last_token_scores_match_transformers_sequence_classification(checkpoints):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -95,8 +96,29 @@ def _partial_plan(tmp_path: Path) -> list[str]:
     return [f"plan={plan}"]
 
 
+def _malformed_prompts(tmp: Path) -> list[str]:
+    data = tmp / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n')
+    return [f"data.path={data}"]
+
+
+def _checkpoint_of_another_layout(tmp: Path) -> list[str]:
+    """A checkpoint whose optimizer state was saved with the actor trained in another layout."""
+    root = tmp / "out" / "checkpoints"
+    (root / "iter-000001").mkdir(parents=True)
+    (root / "iter-000001" / "state.json").write_text(json.dumps({"iteration": 1, "layouts": {"actor": "d4p1t1@0-3"}}))
+    (root / "latest").write_text("iter-000001\n")
+    return []
+
+
 BAD_CONFIGS = {
     "unknown key": (lambda tmp: ["algorithm.batch_sise=4"], r"did you mean 'algorithm.batch_size'"),
+    "malformed prompts file": (_malformed_prompts, r"prompts.jsonl line 2 is not valid JSON"),
+    "reward function missing": (lambda tmp: ["reward.kind=function", "reward.function=no_such_module_xyz:f"],
+                                r"cannot import module 'no_such_module_xyz'"),
+    "resume under another layout": (_checkpoint_of_another_layout,
+                                    r"run.resume: the checkpoint .*iter-000001 holds models.actor's optimizer state "
+                                    r"in layout d4p1t1@0-3, but the plan trains it in d1p2t2@0-3"),
     "wrong type": (lambda tmp: ["run.iterations=many"], r"'run.iterations' must be int, got 'many'"),
     "too few devices": (lambda tmp: ["run.devices=2"], r"uses device\(s\) \[2, 3\] but only 2 exist"),
     "plan misses a call": (_partial_plan, r"does not cover call\(s\) \['ref_inf'\]"),
@@ -108,7 +130,35 @@ def test_config_errors_stop_before_any_rank_starts(example, tmp_path, capsys, ca
     overrides, message = BAD_CONFIGS[case]
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(example))
-    assert main(["train", str(config), *overrides(tmp_path), f"run.out_dir={tmp_path / 'out'}"]) == 2
+    extra = overrides(tmp_path)
+    existed = (tmp_path / "out").exists()
+    start = time.monotonic()
+    assert main(["train", str(config), *extra, f"run.out_dir={tmp_path / 'out'}"]) == 2
+    assert time.monotonic() - start < 10  # the checks alone (modules are loaded): no rank was started
     err = capsys.readouterr().err
-    assert err.startswith("shardflow: error:") and re.search(message, err), err
-    assert not (tmp_path / "out").exists()  # nothing was started
+    assert err.startswith("shardflow: error:") and re.search(message, err) and err.count("\n") == 1, err
+    assert (tmp_path / "out").exists() == existed  # nothing was started
+
+
+def test_a_finished_run_says_so_instead_of_training_nothing(example, tmp_path, capsys):
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(example))
+    root = tmp_path / "out" / "checkpoints"
+    (root / "iter-000003").mkdir(parents=True)
+    (root / "iter-000003" / "state.json").write_text(json.dumps({"iteration": 3, "layouts": {}}))
+    (root / "latest").write_text("iter-000003\n")
+    assert main(["train", str(config), "run.iterations=3", f"run.out_dir={tmp_path / 'out'}"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to do: the run in" in out and "has reached its 3 iterations (iter-000003)" in out, out
+    assert "run.resume=false to start afresh" in out
+
+
+def test_relative_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
+    """The same rule for every command: examples/ppo_7b.yaml names its models relative to itself."""
+    example_file = Path(__file__).resolve().parents[1] / "examples" / "ppo_7b.yaml"
+    monkeypatch.chdir(tmp_path)
+    config = load_config(example_file)
+    assert Path(config.models["actor"].path) == example_file.parent / "models" / "llama2-7b"
+    assert (Path(config.models["critic"].path) / "config.json").is_file()
+    assert Path(config.data.path) == example_file.parent / "prompts.jsonl"
+    assert not config.run.output_dir.is_absolute()  # outputs go where the command runs

@@ -57,18 +57,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="JSONL written in input order")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="completion length limit")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--samples-per-prompt", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same tokens")
+    p.add_argument("--samples-per-prompt", type=int, default=1, help="completions per prompt")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="context limit for prompt + completion; sizes each KV slot (default: the longest "
                         "prompt plus --max-new-tokens, within the model's limit)")
     p.add_argument("--max-batch-size", type=int, default=256, help="requests decoded at once per replica")
     p.add_argument("--chunk-prompts", type=int, default=1024, help="prompts per chunk written together")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (GPU, tp=1)")
     p.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
                    help="torch.compile mode of the decode step with --compile (max-autotune-no-cudagraphs: "

@@ -15,8 +15,10 @@ from shardflow.config.load import load_config, parse_override
 from shardflow.config.schema import describe
 from shardflow.examples.arithmetic import example_config
 from shardflow.parallel.launch import launch
+from shardflow.plan.execution_plan import PLAN_FILE_FORMAT
 from shardflow.rl.algorithms import ALGORITHMS
 from shardflow.rl.rewards import REWARD_KINDS
+from shardflow.runtime import checkpointing
 from shardflow.runtime.driver import train_rank
 from shardflow.runtime.validate import prepare
 
@@ -31,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     if args.help_config:
-        print("\n".join(describe(ExperimentConfig, choices={"algorithm.name": ALGORITHMS, "reward.kind": REWARD_KINDS})))
+        keys = describe(ExperimentConfig, choices={"algorithm.name": ALGORITHMS, "reward.kind": REWARD_KINDS})
+        print("\n".join(keys) + "\n\n" + PLAN_FILE_FORMAT)
         return
     files = [a for a in args.args if "=" not in a]
     overrides = [a for a in args.args if "=" in a]
@@ -44,11 +47,21 @@ def run(args: argparse.Namespace) -> None:
     train(config)
 
 
-def train(config) -> None:
+def train(config: ExperimentConfig) -> None:
     prepared = prepare(config)
     out = config.run.output_dir
+    if prepared.resume_dir is not None:
+        if prepared.resume_iteration >= config.run.iterations:
+            logger.info(f"nothing to do: the run in {out} has reached its {config.run.iterations} iterations "
+                        f"({prepared.resume_dir.name}); raise run.iterations to go on, or set run.resume=false "
+                        "to start afresh")
+            return
+        logger.info(f"resuming from {prepared.resume_dir.name} in {prepared.resume_dir.parent} "
+                    f"(run.resume=false starts afresh)")
+    elif checkpointing.latest(out) is not None:
+        logger.info(f"starting afresh (run.resume=false): the checkpoints and metrics in {out} are replaced")
     logger.info(f"shardflow train: {config.algorithm.name} on {config.run.devices} {prepared.backend} rank(s), "
-          f"{config.run.iterations} iterations, output in {out}")
+                f"{config.run.iterations} iterations, output in {out}")
     for name, cp in prepared.plan.calls.items():
         logger.info(f"  {name:<14} {cp.layout}")
     launch(train_rank, config.run.devices, prepared, backend=prepared.backend, log_dir=out / "logs")

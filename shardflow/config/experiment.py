@@ -115,6 +115,8 @@ class RewardConfig(Settings):
     function: str = setting("", "for kind=function: 'package.module:function' or 'file.py:function' (relative: "
                                 "to the config file), called with (prompts, responses, answers)", path="function")
     answer_pattern: str = setting("", "for kind=math: optional regex whose first group holds the answer")
+    error_value: float = setting(0.0, "the reward of a response whose reward function raised (counted as "
+                                      "reward/errors; the run goes on)")
 
 
 @dataclass(frozen=True, kw_only=True)

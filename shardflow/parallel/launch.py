@@ -8,8 +8,10 @@ dead peer.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from multiprocessing import connection as mp_connection
@@ -19,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from shardflow.parallel.failures import RankFailed
 from shardflow.parallel.logs import current_level, setup_logging
@@ -79,27 +82,52 @@ def launch(entry: Entry, nprocs: int, *args: Any, backend: str | None = None,
 
 def _watch(procs, errors) -> str | None:
     """Wait for every rank; on the first failure, give the others a moment to report theirs and
-    return the message of the earliest one (a peer's failure makes the rest fail too, later)."""
-    failures: list[tuple[float, int, str]] = []
+    return a message naming the rank that caused it, and the others as what followed. A rank that
+    raises reports its traceback before it exits, so one that died without a report (killed, or
+    crashed) came first: its peers fail after it, with errors such as "Connection reset by peer".
+    Otherwise the earliest report is the cause."""
+    events: dict[int, tuple[float, str]] = {}  # rank -> (when, what): its report, or its death without one
     deadline = None
     while True:
         while not errors.empty():
-            failures.append(errors.get())
+            when, rank, text = errors.get()
+            events[rank] = min(events.get(rank, (when, text)), (when, text))
         exits = [p.exitcode for p in procs]
         if all(code == 0 for code in exits):
             return None
-        failed = [r for r, code in enumerate(exits) if code not in (None, 0)]
-        if (failures or failed) and deadline is None:
+        now = time.time()
+        for rank, code in enumerate(exits):
+            if code not in (None, 0) and rank not in events:
+                events[rank] = (now, _death(code))  # no report (yet): killed, or it died reporting
+        if events and deadline is None:
             deadline = time.monotonic() + FAILURE_GRACE_S
         if deadline is not None and (time.monotonic() > deadline or all(code is not None for code in exits)):
-            while not errors.empty():
-                failures.append(errors.get())
-            if failures:
-                _, rank, text = min(failures)
-                return f"rank {rank} failed:\n{text}"
-            rank = failed[0]
-            return f"rank {rank} died with exit code {exits[rank]}"
+            while not errors.empty():  # a report beats the death it explains
+                when, rank, text = errors.get()
+                if rank not in events or events[rank][1].startswith("died"):
+                    events[rank] = (min(when, events.get(rank, (when, ""))[0]), text)
+            return _failure_message(events)
         mp_connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.2)
+
+
+def _death(code: int) -> str:
+    if code < 0:
+        try:
+            return f"died from signal {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            return f"died from signal {-code} (exit code {code})"
+    return f"died with exit code {code}"
+
+
+def _failure_message(events: dict[int, tuple[float, str]]) -> str:
+    order = sorted(events, key=lambda r: (not events[r][1].startswith("died"), events[r][0], r))
+    first, text = order[0], events[order[0]][1]
+    head = f"rank {first} {text}" if text.startswith("died") else f"rank {first} failed:\n{text}"
+    rest = [f"rank {r}: " + (events[r][1] if events[r][1].startswith("died")
+                             else events[r][1].strip().splitlines()[-1]) for r in order[1:]]
+    if rest:
+        head += "\nthen, in the order they failed:\n" + "\n".join("  " + line for line in rest)
+    return head
 
 
 def _stop(procs) -> None:
@@ -116,6 +144,9 @@ def _stop(procs) -> None:
 def _rank_main(rank: int, entry: Entry, size: int, init_method: str, backend: str | None,
                args: tuple, errors, log_level: int, log_dir: str | Path | None) -> None:
     try:
+        # Progress bars lock within the process: tqdm's default lock is a semaphore, which a rank
+        # ended by os._exit or terminate() would leave behind for the resource tracker to report.
+        tqdm.set_lock(threading.RLock())
         setup_logging(log_level, rank=rank, log_dir=log_dir)
         world = init_world(rank, size, init_method, backend)
         if world.backend == "gloo":

@@ -1,16 +1,7 @@
 """Execution plans: for every model call, its devices and (pp, dp, tp) layout.
 
 Plans are data. A hand-written plan file and one written by the planner go through the same
-validation and the same runtime. A plan file is YAML:
-
-    calls:
-      actor_gen:   {layout: d4p1t1@0-3, tp_targets: [d2p1t2@0-3, d1p1t4@0-3]}
-      ref_inf:     {layout: d2p1t1@4-5}
-      actor_train: {layout: d1p2t2@0-3, micro_batches: 4}
-
-``micro_batches`` (optional) fixes the number of micro-batches per DP replica of an inference or
-training call; otherwise the run's token budget decides. ``tp_targets`` (generate calls only) are
-the layouts adaptive tensor parallelism may switch to, each merging DP replicas of the one before.
+validation and the same runtime (the format is ``PLAN_FILE_FORMAT``).
 """
 
 from __future__ import annotations
@@ -26,6 +17,19 @@ from shardflow.config.model import ModelConfig
 from shardflow.parallel.layout import Layout, split_replicas
 from shardflow.parallel.sharding import check_layout
 from shardflow.rl.graph import Graph, Kind
+
+PLAN_FILE_FORMAT = """A plan file (plan: FILE.yaml) gives every model call of the algorithm's graph its layout:
+
+    calls:
+      actor_gen:   {layout: d4p1t1@0-3, tp_targets: [d2p1t2@0-3, d1p1t4@0-3]}
+      ref_inf:     {layout: d2p1t1@4-5}
+      actor_train: {layout: d1p2t2@0-3, micro_batches: 4}
+
+A layout is d{dp}p{pp}t{tp}@{ranks} (tp innermost); a bare layout string stands for {layout: ...}.
+micro_batches (optional) fixes the micro-batches per data-parallel replica of an inference or
+training call; otherwise algorithm.micro_batch_tokens decides. tp_targets (generate calls only) are
+the layouts adaptive tensor parallelism may switch to, each merging replicas of the one before.
+shardflow plan writes such a file; plan: symmetric puts every call on every device."""
 
 
 @dataclass(frozen=True, kw_only=True)

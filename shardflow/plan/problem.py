@@ -71,7 +71,7 @@ class Problem:
     def home_call(self, model: str) -> Call:
         """Where a model's parameters live between calls: its train call (the optimizer state is
         there), else its first call."""
-        return self.graph.train_call(model) or next(c for c in self.calls if c.model == model)
+        return self.graph.home_call(model)
 
     def trained(self, model: str) -> bool:
         return self.graph.train_call(model) is not None

@@ -109,3 +109,8 @@ class Graph:
 
     def train_call(self, model: str) -> Call | None:
         return next((c for c in self.calls if c.model == model and c.kind is Kind.TRAIN), None)
+
+    def home_call(self, model: str) -> Call:
+        """Where a model's parameters live between calls: its train call (the optimizer state is
+        there), else its first call."""
+        return self.train_call(model) or next(c for c in self.calls if c.model == model)

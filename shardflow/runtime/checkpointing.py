@@ -55,9 +55,10 @@ def commit(out_dir: Path, iteration: int, keep: int) -> Path:
     os.replace(tmp_pointer, pointer)
     _fsync_dir(final.parent)
     complete = sorted(p for p in checkpoint_root(out_dir).glob("iter-*") if p.is_dir())
-    for old in complete[: max(0, len(complete) - max(keep, 1))]:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
+    later = [p for p in complete if iteration_of(p) > iteration]  # an earlier run's, replaced by a fresh start
+    earlier = [p for p in complete if iteration_of(p) <= iteration]
+    for old in later + earlier[: max(0, len(earlier) - max(keep, 1))]:
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 

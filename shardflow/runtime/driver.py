@@ -24,7 +24,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from shardflow.config.experiment import ExperimentConfig, ModelSpec
-from shardflow.data.prompts import PromptSampler, load_prompts
+from shardflow.data.prompts import PromptSampler
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
 from shardflow.engine.adaptive.trace import GenerationTrace, plot_trace
 from shardflow.models.checkpoint import save_checkpoint
@@ -74,7 +74,7 @@ class Run:
         world.groups.create(communication_groups(self.graph, self.plan))
 
         tokenizer = AutoTokenizer.from_pretrained(config.models["actor"].path)
-        self.prompts = load_prompts(config.data, tokenizer, require_answer=reward_kind(config.reward.kind).model is None)
+        self.prompts = prepared.prompts
         self.sampler = PromptSampler(len(self.prompts), config.algorithm.batch_size, seed=config.run.seed,
                                      shuffle=config.data.shuffle)
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -83,11 +83,11 @@ class Run:
                               reward_fn=reward_fn, kl=KLController.from_config(config.algorithm.kl))
         self.start_iteration = 0
 
-        resume_dir = checkpointing.latest(self.out_dir) if config.run.resume else None
+        resume_dir = prepared.resume_dir
         self.slots: dict[str, ModelSlot] = {}
         for role in self.graph.models():
             train = self.graph.train_call(role)
-            home = self.plan[(train or next(c for c in self.graph.model_calls() if c.model == role)).name].layout
+            home = self.plan[self.graph.home_call(role).name].layout
             spec = model_spec(config, role, resume_dir, train is not None)
             self.slots[role] = ModelSlot.load(world, role, spec, prepared.models[role], home, trained=train is not None)
         if resume_dir is not None:
@@ -160,7 +160,9 @@ class Run:
                    staging / f"rank{world.rank:05d}.pt")
         if world.rank == 0:
             (staging / "state.json").write_text(json.dumps({
-                "iteration": it, "sampler": self.sampler.state_dict(), "kl": self.state.kl.state_dict()}, indent=2))
+                "iteration": it, "sampler": self.sampler.state_dict(), "kl": self.state.kl.state_dict(),
+                "layouts": {role: str(slot.home) for role, slot in self.slots.items() if slot.engine is not None}},
+                indent=2))
         world.barrier()
         if world.rank == 0:
             checkpointing.commit(self.out_dir, it, self.config.run.keep_checkpoints)
@@ -185,8 +187,8 @@ def train_rank(world: World, prepared: Prepared) -> None:
     config = run.config
     metrics = None
     if world.rank == 0:
-        resume = run.start_iteration if run.start_iteration else None
-        metrics = MetricsLogger(run.out_dir, tensorboard=config.run.tensorboard, resume_step=resume)
+        # a fresh start (no checkpoint, or run.resume=false) keeps nothing of an earlier run's metrics
+        metrics = MetricsLogger(run.out_dir, tensorboard=config.run.tensorboard, resume_step=run.start_iteration)
         (run.out_dir / "plan.yaml").write_text(run.plan.to_yaml())
     iterations = range(run.start_iteration + 1, config.run.iterations + 1)
     bar = tqdm(iterations, desc="iterations", disable=world.rank != 0 or not config.run.progress, dynamic_ncols=True)
@@ -194,6 +196,9 @@ def train_rank(world: World, prepared: Prepared) -> None:
     for it in bar:
         summary = run.iteration(it)
         last = summary
+        if world.rank == 0:
+            for text in summary.get("_errors", []):
+                logger.warning(f"iteration {it}: {text}")
         if metrics is not None:
             metrics.log(it, {k: v for k, v in summary.items() if not k.startswith("_")})
         if config.run.checkpoints and config.run.save_every and it % config.run.save_every == 0 \

@@ -20,7 +20,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# keys shown first on the console, with a short label; the rest follow in sorted order
+# the short console line: the keys a reader follows run by run, with a short label
+CONSOLE_SHORT = (
+    ("reward/mean", "reward"), ("reward/std", "±"), ("response_length/mean", "len"), ("actor/kl", "kl"),
+    ("reward/errors", "reward errors"), ("time/iteration", "time"),
+)
+# the full line (--log-level debug) begins with these; the rest follow in sorted order
 CONSOLE_FIRST = (
     ("reward/mean", "reward"), ("reward/std", "±"), ("response_length/mean", "len"),
     ("response_length/max", "max"), ("response_length/clip_ratio", "clip"), ("actor/kl", "kl"),
@@ -66,16 +71,19 @@ def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def format_line(step: int, metrics: dict[str, Any]) -> str:
+def format_line(step: int, metrics: dict[str, Any], *, full: bool = True) -> str:
     """``iter 12 reward 0.53 ± 0.5 len 4.1 max 9 clip 0% ... | actor_gen 1.2s ... | actor/lr 1e-06``:
-    the main numbers, then the other times, then other losses, norms and rates."""
+    the main numbers, then the other times, then other losses, norms and rates; not ``full``:
+    ``iter 12 reward 0.53 ± 0.5 len 4.1 kl 0.002 time 1.2s`` (what the console shows by default)."""
     parts, shown = [f"iter {step}"], set()
-    for key, label in CONSOLE_FIRST:
+    for key, label in CONSOLE_FIRST if full else CONSOLE_SHORT:
         if key in metrics:
             value = metrics[key]
             text = f"{100 * value:.0f}%" if key.endswith("clip_ratio") else _number(value)
             parts.append(f"{label} {text}" + ("s" if key.startswith("time/") else ""))
             shown.add(key)
+    if not full:
+        return " ".join(parts)
     times = [f"{k.removeprefix('time/')} {_number(v)}s" for k, v in sorted(metrics.items())
              if k.startswith("time/") and k not in shown]
     rest = [f"{k} {_number(v)}" for k, v in sorted(metrics.items())
@@ -97,7 +105,8 @@ def _number(value: Any) -> str:
 
 class MetricsLogger:
     """Writes each iteration's metrics to ``out_dir/metrics.jsonl`` (one JSON object per line,
-    flushed at once), TensorBoard events under ``out_dir/tensorboard`` and a console line (logged).
+    flushed at once), TensorBoard events under ``out_dir/tensorboard`` and a console line (logged:
+the short one, or every number at ``--log-level debug``).
 
     ``resume_step``: the last iteration a resumed run already has; lines and events after it,
     written by the run that was killed after its checkpoint, are dropped.
@@ -134,7 +143,7 @@ class MetricsLogger:
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
         if self.console:
-            logger.info(format_line(step, flat))
+            logger.info(format_line(step, flat, full=logger.isEnabledFor(logging.DEBUG)))
         return flat
 
     def close(self) -> None:

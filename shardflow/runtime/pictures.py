@@ -36,14 +36,27 @@ def draw_timeline(spans: list[tuple[str, int, float, float]], path: Path) -> Non
     plt.close(fig)
 
 
+def replica_lines(decode: dict[str, list[tuple[int, float]]]) -> dict[str, list[int]]:
+    """Active batch per decode step by line: the ranks of one replica decode the same batches,
+    so labels ("call @ rank r") whose batches agree become one line ("call @ ranks 0, 1")."""
+    lines: dict[tuple[str, tuple[int, ...]], list[str]] = {}
+    for label, steps in sorted(decode.items()):
+        call, _, rank = label.rpartition(" @ rank ")
+        lines.setdefault((call, tuple(b for b, _ in steps)), []).append(rank)
+    return {f"{call} @ rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}": list(batches)
+            for (call, batches), ranks in lines.items()}
+
+
 def draw_generation(decode: dict[str, list[tuple[int, float]]], path: Path) -> None:
     """Active batch per decode step, one line per generating replica."""
     if not decode:
         return
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    for label, steps in sorted(decode.items()):
-        ax.plot(range(len(steps)), [b for b, _ in steps], label=label, linewidth=1)
+    for label, batches in replica_lines(decode).items():
+        ax.step(range(len(batches)), batches, where="post", label=label, linewidth=1)
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))  # steps and requests are whole
+    ax.yaxis.set_major_locator(plt.MaxNLocator(integer=True))
     ax.set_xlabel("decode step")
     ax.set_ylabel("active requests")
     ax.set_title("active batch during generation (last iteration)")

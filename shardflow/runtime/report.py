@@ -25,6 +25,11 @@ def merge_reports(per_rank: list[dict], graph: Graph, plan, config: ExperimentCo
         durations = [r.span[1] - r.span[0] for _, r in reports if r.span]
         if durations:
             summary[f"time/{call.name}"] = max(durations)
+        errors = [text for _, r in reports for text in r.errors]
+        if errors:  # contained failures: the first one is said (their counts are metrics)
+            summary.setdefault("_errors", []).append(f"{call.name}: {errors[0]}")
+        if "reward/errors" in (key for _, r in reports for key in r.metrics):
+            summary["reward/errors"] = sum(r.metrics.get("reward/errors", 0.0) for _, r in reports)
         if call.kind is Kind.FUNCTION:
             continue
         realloc = [r.metrics.get(f"time/realloc/{call.name}", 0.0) for _, r in reports]

@@ -12,14 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from shardflow.config.experiment import ExperimentConfig
+from shardflow.config.files import read_json
 from shardflow.config.model import ModelConfig
+from shardflow.data.prompts import Prompt, load_prompts
 from shardflow.plan.execution_plan import ExecutionPlan, symmetric_plan
 from shardflow.rl.algorithms import algorithm_named
 from shardflow.rl.algorithms.base import Algorithm
 from shardflow.rl.graph import Graph, Kind
 from shardflow.rl.rewards import reward_function, reward_kind
+from shardflow.runtime import checkpointing
 
 # Which model kind each role needs: a value head for critics and reward models.
 VALUE_ROLES = ("critic", "reward")
@@ -35,6 +39,9 @@ class Prepared:
     models: dict[str, ModelConfig]
     plan: ExecutionPlan
     backend: str
+    prompts: list[Prompt]  # the dataset, read, checked and tokenized
+    resume_dir: Path | None = None  # the checkpoint the run continues from
+    resume_iteration: int = 0  # its iteration (0: a fresh start)
 
 
 def check_config(config: ExperimentConfig) -> tuple[Algorithm, Graph]:
@@ -122,6 +129,27 @@ def prepare(config: ExperimentConfig) -> Prepared:
         raise FileNotFoundError(f"data.path {data} does not exist")
     if data.suffix not in (".jsonl", ".parquet"):
         raise ValueError(f"data.path must be a .jsonl or .parquet file, got {data.name}")
-    if reward_kind(config.reward.kind).build is not None:
+    reward = reward_kind(config.reward.kind)
+    if reward.build is not None:
         reward_function(config.reward)  # a user's function that cannot be imported fails here, not on the ranks
-    return Prepared(config, algorithm, graph, models, plan, backend)
+    tokenizer = AutoTokenizer.from_pretrained(config.models["actor"].path)
+    prompts = load_prompts(config.data, tokenizer, require_answer=reward.model is None)
+    resume_dir = check_resume(config, graph, plan)
+    return Prepared(config, algorithm, graph, models, plan, backend, prompts, resume_dir,
+                    checkpointing.iteration_of(resume_dir) if resume_dir is not None else 0)
+
+
+def check_resume(config: ExperimentConfig, graph: Graph, plan: ExecutionPlan) -> Path | None:
+    """The checkpoint to continue from (None: a fresh start). Its optimizer state is sliced by the
+    layout it was saved under, so a plan that trains a model in another layout is refused."""
+    latest = checkpointing.latest(config.run.output_dir) if config.run.resume else None
+    if latest is None:
+        return None
+    saved = read_json(latest / "state.json", "checkpoint state").get("layouts", {})
+    for role, layout in saved.items():
+        now = str(plan[graph.home_call(role).name].layout)
+        if role in graph.models() and layout != now:
+            raise ValueError(f"run.resume: the checkpoint {latest} holds models.{role}'s optimizer state in layout "
+                             f"{layout}, but the plan trains it in {now}; resume with that layout, or set "
+                             "run.resume=false to start afresh")
+    return latest

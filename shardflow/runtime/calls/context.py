@@ -34,6 +34,7 @@ class CallReport:
     decode_steps: list[tuple[int, float]] = field(default_factory=list)
     span: tuple[float, float] | None = None  # wall-clock start and end on this rank
     adaptive: dict | None = None  # an adaptive generation's trace (layout's first rank)
+    errors: list[str] = field(default_factory=list)  # contained failures (a reward that raised), to report
 
 
 @dataclass
