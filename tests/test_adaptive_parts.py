@@ -147,9 +147,10 @@ def test_what_fits_in_the_caches():
 
 
 def test_configuration_turns_it_on_and_checks_it():
-    base = {"models": {"actor": {"path": "x"}}, "data": {"path": "x"}, "run": {"devices": 2}}
+    base = {"models": {"actor": {"path": "x"}}, "data": {"path": "x"}, "run": {"devices": 2},
+            "generation": {"samples_per_prompt": 2}}
     config = load_config(None, [], base=base)
-    _, graph = check_config(config)
+    graph = check_config(config).graph
     models = {"actor": ModelConfig.from_hf_dict(tiny_hf_config("llama").to_dict())}
     assert not check_plan(config, graph, models)["actor_gen"].tp_targets  # off: the static path needs none
     with pytest.raises(ValueError, match="plan gives 'actor_gen' no tp_targets"):

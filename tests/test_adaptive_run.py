@@ -47,8 +47,10 @@ def test_a_run_with_adaptive_tp_matches_the_static_run(pool, checkpoints, tmp_pa
         assert y["adaptive/switches"] >= 1 and y["adaptive/switch_refusals"] == 0
         same = {k: v for k, v in x.items() if not k.startswith("time") and k != "generation/tokens_per_s"}
         # The same tokens; their log-probabilities (hence the losses) were computed under another tp,
-        # which reorders float32 sums: equal to a few ulps.
-        assert same == {k: pytest.approx(y[k], rel=1e-4, abs=1e-9) for k in same}, x["step"]
+        # which reorders float32 sums: equal to a few ulps. Near zero (the sequence KL of a policy
+        # still equal to its reference: ~1e-7, a sum of such ulps over a response) that is absolute.
+        assert same == {k: pytest.approx(y[k], rel=1e-4, abs=1e-6) for k in same}, \
+            [(k, x[k], y.get(k)) for k in same if x[k] != pytest.approx(y.get(k), rel=1e-4, abs=1e-6)]
         assert {k: x[k] for k in ("reward/mean", "response_length/mean", "generation/tokens")} == \
             {k: y[k] for k in ("reward/mean", "response_length/mean", "generation/tokens")}
     assert (adaptive / "generation_actor_gen_adaptive.png").stat().st_size > 0

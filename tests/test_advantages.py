@@ -5,19 +5,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardflow.config.experiment import AlgorithmConfig, KLConfig
+from shardflow.config.experiment import AlgorithmConfig, ExperimentConfig, KLConfig
 from shardflow.config.load import load_config
 from shardflow.data.batch import SequenceBatch
 from shardflow.parallel.layout import Layout
-from shardflow.rl.advantages import KLController, gae, group_advantages, sequence_kl, whiten
+from shardflow.rl.advantages import (
+    ADVANTAGES,
+    AdvantageEstimator,
+    KLController,
+    discounted_returns,
+    gae,
+    group_advantages,
+    sequence_kl,
+    whiten,
+)
 from shardflow.rl.algorithms import ALGORITHMS, algorithm_named
 from shardflow.rl.algorithms.base import Algorithm
 from shardflow.runtime.validate import check_config
 
 
 def compute_advantages(batch, algo, *, kl_coef=0.0, group=None):
-    """The estimator of the algorithm that ``algo`` names."""
-    return algorithm_named(algo.name).advantages(batch, algo, kl_coef, group)
+    """The estimator of the algorithm that ``algo`` names, its knobs resolved."""
+    algorithm = algorithm_named(algo.name)
+    return algorithm.advantages(batch, algorithm.resolve(ExperimentConfig(algorithm=algo)).algorithm, kl_coef, group)[0]
 
 
 def ppo_batch() -> SequenceBatch:
@@ -88,6 +98,92 @@ def test_group_of_identical_rewards_gets_exactly_zero():
         assert torch.equal(out.token_fields["advantages"], torch.zeros(9))
 
 
+def test_rloo_by_hand():
+    """Each sample less the mean of its group's others; groups of one and equal groups get 0."""
+    batch = grpo_batch([1.0, 0.0, 0.0, 0.5, 0.5, 1.0, 4.0, -2.0], [7, 7, 7, 3, 3, 9, 5, 5])
+    out = group_advantages(batch, baseline="leave_one_out")
+    per_seq = [1 - 0, 0 - 0.5, 0 - 0.5, 0.0, 0.0, 0.0, 4 - (-2), -2 - 4]
+    expected = torch.tensor([[0.0, a, a] for a in per_seq]).flatten()
+    assert torch.allclose(out.token_fields["advantages"], expected, atol=1e-6)
+
+
+def test_extreme_rewards_keep_their_group_baseline_exact():
+    """float64 rewards of 1e12 apart by 1: the centring is exact (group std 1), and so is RLOO's."""
+    def batch(rewards):
+        return grpo_batch([0.0] * len(rewards), [0] * len(rewards)).update(
+            seq_fields={"rewards": torch.tensor(rewards, dtype=torch.float64)})
+
+    out = group_advantages(batch([1e12 + 1, 1e12, 1e12 - 1]))
+    assert torch.allclose(out.token_fields["advantages"].view(3, 3)[:, 1], torch.tensor([1.0, 0.0, -1.0]), atol=1e-5)
+    out = group_advantages(batch([1e12 + 1, 1e12]), baseline="leave_one_out")
+    assert out.token_fields["advantages"].view(2, 3)[:, 1].tolist() == [1.0, -1.0]
+
+
+def _response_batch(rewards, lengths, masks, **fields):
+    """Sequences of ``lengths`` tokens with the given masks (response tokens may have gaps)."""
+    n = len(rewards)
+    return SequenceBatch.from_lists(range(n), {"loss_mask": [torch.tensor(m) for m in masks],
+                                               **{k: [torch.tensor(v) for v in vs] for k, vs in fields.items()}},
+                                    {"rewards": torch.tensor(rewards), "prompt_index": torch.tensor([0, 0, 1][:n])})
+
+
+def test_discounted_returns_by_hand_with_a_masked_token_inside_a_response():
+    # sequence 0: prompt, r1, (an observation token, masked), r2; sequence 1: prompt, r1
+    batch = _response_batch([2.0, -1.0], [4, 2], [[0.0, 1.0, 0.0, 1.0], [0.0, 1.0]])
+    returns = discounted_returns(batch, gamma=0.5)
+    # the reward sits on the last response token; the masked token is not a step: G = [1, 2] then [-1]
+    assert returns.tolist() == [0.0, 1.0, 0.0, 2.0, 0.0, -1.0]
+    lp = [[0.0, -1.0, 0.0, -1.0], [0.0, -1.0]]
+    ref = [[0.0, -2.0, 0.0, -1.5], [0.0, -1.0]]
+    kl_batch = _response_batch([2.0, -1.0], [4, 2], [[0.0, 1.0, 0.0, 1.0], [0.0, 1.0]], logprobs=lp, ref_logprobs=ref)
+    returns = discounted_returns(kl_batch, gamma=1.0, kl_coef=0.1, kl_estimator="k1")
+    # k1 per response token: 1.0 and 0.5 -> rewards [-0.1, 2 - 0.05]; returns [1.85, 1.95]; sequence 1: -1
+    assert torch.allclose(returns, torch.tensor([0.0, 1.85, 0.0, 1.95, 0.0, -1.0]))
+
+
+def test_reinforce_pp_estimators_by_hand():
+    base = {"generation": {"samples_per_prompt": 2}}
+    batch = _response_batch([2.0, 0.0, 1.0], [3, 2, 2], [[0.0, 1.0, 1.0], [0.0, 1.0], [0.0, 1.0]])
+    config = ExperimentConfig(algorithm=AlgorithmConfig(name="reinforce_pp", gamma=1.0), **{})
+    algo = algorithm_named("reinforce_pp").resolve(config).algorithm
+    out = ADVANTAGES["reinforce_pp"].compute(batch, algo, 0.0, None).token_fields["advantages"]
+    returns = torch.tensor([2.0, 2.0, 0.0, 1.0])  # every response token's return
+    mask = batch.token_fields["loss_mask"] > 0
+    expected = (returns - returns.mean()) / returns.std()
+    assert torch.allclose(out[mask], expected, atol=1e-6)
+    algo = algorithm_named("reinforce_pp_baseline").resolve(config).algorithm
+    out = ADVANTAGES["reinforce_pp_baseline"].compute(batch, algo, 0.0, None).token_fields["advantages"]
+    centred = torch.tensor([1.0, 1.0, -1.0, 0.0])  # group 0: 2 and 0 less their mean 1; group 1 alone: 0
+    assert torch.allclose(out[mask], (centred - centred.mean()) / centred.std(), atol=1e-6)
+    del base
+
+
+def test_remax_subtracts_the_greedy_reward():
+    batch = _response_batch([2.0, 0.0], [3, 2], [[0.0, 1.0, 1.0], [0.0, 1.0]])
+    batch = batch.update(seq_fields={"baseline_rewards": torch.tensor([0.5, 1.0])})
+    algo = algorithm_named("remax").resolve(ExperimentConfig(algorithm=AlgorithmConfig(name="remax"))).algorithm
+    out = ADVANTAGES["remax"].compute(batch, algo, 0.0, None).token_fields["advantages"]
+    assert out.tolist() == [0.0, 1.5, 1.5, 0.0, -1.0]
+
+
+def test_sequence_estimators_take_the_kl_in_the_reward_summed_over_the_response():
+    lp, ref = [[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]], [[0.0, -2.0, -1.0], [0.0, -1.0, -1.0]]
+    batch = _response_batch([1.0, 1.0], [3, 3], [[0.0, 1.0, 1.0]] * 2, logprobs=lp, ref_logprobs=ref)
+    algo = AlgorithmConfig(name="rloo", kl=KLConfig(coef=0.5, in_reward=True, estimator="k1"))
+    out = compute_advantages(batch, algo, kl_coef=0.5).token_fields["advantages"]
+    # rewards less 0.5 x summed k1: 1 - 0.5 and 1 - 0: leave-one-out -0.5 and +0.5
+    assert out.tolist() == [0.0, -0.5, -0.5, 0.0, 0.5, 0.5]
+
+
+def test_whiten_stays_precise_far_from_zero():
+    """|mean| / std of 30: the two-pass float64 form is exact to float32's rounding of the inputs."""
+    gen = torch.Generator().manual_seed(0)
+    values = 30.0 + torch.randn(4096, generator=gen)
+    mask = torch.ones(4096)
+    exact = (values.double() - values.double().mean()) / values.double().std()
+    assert (whiten(values, mask).double() - exact).abs().max() < 1e-6
+
+
 def test_whiten_by_hand():
     values, mask = torch.tensor([1.0, 2.0, 3.0, 50.0]), torch.tensor([1.0, 1.0, 1.0, 0.0])
     # mean 2, unbiased variance 1
@@ -106,23 +202,24 @@ def test_compute_advantages_per_algorithm():
     assert response.mean().abs() < 1e-6 and (response.std() - 1).abs() < 1e-5
     # KL in the reward only with kl_in_reward
     kl = compute_advantages(batch, AlgorithmConfig(name="ppo", gamma=0.9, lam=0.8, whiten_advantages=False,
-                                                   kl=KLConfig(in_reward=True, estimator="k1")), kl_coef=0.1)
+                                                   kl=KLConfig(coef=0.1, in_reward=True, estimator="k1")), kl_coef=0.1)
     assert kl.token_fields["advantages"][2].item() == pytest.approx(0.1052, abs=1e-6)
     grpo = compute_advantages(grpo_batch([1.0, 0.0], [0, 0]), AlgorithmConfig(name="grpo"))
     assert "returns" not in grpo.token_fields and grpo.token_fields["advantages"][1] > 0
 
 
 def test_a_new_algorithm_is_one_registered_entry(monkeypatch):
-    def leave_one_out(batch, algo, kl_coef, group):
+    def ones(batch, algo, kl_coef, group):
         return batch.update({"advantages": torch.ones(batch.num_tokens)})
 
+    monkeypatch.setitem(ADVANTAGES, "ones", AdvantageEstimator(compute=ones))
     grpo = ALGORITHMS["grpo"]
-    monkeypatch.setitem(ALGORITHMS, "rloo", Algorithm(name="rloo", summary="test", graph=grpo.graph,
-                                                      advantages=leave_one_out, losses=grpo.losses))
-    algo = AlgorithmConfig(name="rloo")
+    monkeypatch.setitem(ALGORITHMS, "all_ones", Algorithm(name="all_ones", summary="test", graph=grpo.graph,
+                                                          preset={**grpo.preset, "advantage": "ones"}))
+    algo = AlgorithmConfig(name="all_ones")
     assert compute_advantages(grpo_batch([1.0], [0]), algo).token_fields["advantages"].tolist() == [1.0] * 3
-    with pytest.raises(ValueError, match="algorithm.name must be one of grpo, ppo, rloo; got 'remax'"):
-        compute_advantages(grpo_batch([1.0], [0]), AlgorithmConfig(name="remax"))
+    with pytest.raises(ValueError, match="algorithm.name must be one of ppo, grpo, .*all_ones; got 'nosuch'"):
+        compute_advantages(grpo_batch([1.0], [0]), AlgorithmConfig(name="nosuch"))
 
 
 def test_kl_controller_by_hand():
@@ -148,10 +245,38 @@ def test_sequence_kl_by_hand():
     assert sequence_kl(batch.update({"logprobs": lp})) == pytest.approx(0.4)
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["algorithm.lam=0.9"], r"algorithm.lam is set, but algorithm grpo's advantage estimator \(grpo\) does not use "
+                            r"it \(it is read by: gae\)"),
+    (["algorithm.advantage=gae"], r"algorithm.advantage=gae needs a critic \(algorithm.name=ppo\); algorithm grpo's "
+                                  "graph has none"),
+    (["algorithm.advantage=nosuch"], "algorithm.advantage must be one of gae, grpo, rloo"),
+    (["algorithm.name=gspo", "algorithm.dual_clip=3"], "algorithm.dual_clip is set, but the policy loss gspo does "
+                                                       "not use it"),
+    (["algorithm.name=rloo", "generation.samples_per_prompt=1"], "algorithm.advantage=rloo compares the samples of "
+                                                                 "a prompt: generation.samples_per_prompt must be"),
+    (["algorithm.dpo.beta=0.5"], "algorithm.dpo.beta is set, but algorithm grpo is not dpo"),
+    (["algorithm.overlong.buffer=8"], r"algorithm.overlong.buffer \(8\) must be less than generation.max_new_tokens"),
+])
+def test_config_refuses_knobs_the_algorithm_cannot_use(overrides, message):
+    base = {"models": {"actor": {"path": "a"}}, "data": {"path": "d.jsonl"},
+            "generation": {"samples_per_prompt": 4, "max_new_tokens": 8}}
+    with pytest.raises(ValueError, match=message):
+        check_config(load_config(None, overrides, base=base))
+
+
+def test_presets_fill_only_what_is_unset():
+    base = {"models": {"actor": {"path": "a"}}, "data": {"path": "d.jsonl"},
+            "generation": {"samples_per_prompt": 4, "max_new_tokens": 100}}
+    dapo = check_config(load_config(None, ["algorithm.name=dapo", "algorithm.clip_high=0.3"], base=base)).config.algorithm
+    assert (dapo.advantage, dapo.clip_low, dapo.clip_high, dapo.loss_agg) == ("grpo", 0.2, 0.3, "token-mean")
+    assert dapo.dynamic_sampling.enabled and dapo.overlong.buffer == 20 and dapo.kl.estimator == "k3"
+    dr = check_config(load_config(None, ["algorithm.name=dr_grpo"], base=base)).config.algorithm
+    assert not dr.group_std_normalize and dr.loss_agg == "seq-mean-token-sum-norm" and dr.lam is None
+
+
 def test_config_refuses_kl_settings_that_cannot_work():
     base = {"models": {"actor": {"path": "a"}, "ref": {"path": "r"}}, "data": {"path": "d.jsonl"}}
-    with pytest.raises(ValueError, match="algorithm.kl.in_reward needs a per-token reward, i.e. algorithm.name=ppo"):
-        check_config(load_config(None, ["algorithm.kl.coef=0.1", "algorithm.kl.in_reward=true"], base=base))
     with pytest.raises(ValueError, match="algorithm.kl.target needs a positive algorithm.kl.coef"):
         check_config(load_config(None, ["algorithm.kl.target=6.0"], base=base))
     with pytest.raises(ValueError, match="algorithm.kl.horizon must be positive"):
@@ -167,7 +292,7 @@ def _sharded_advantages_job(world, batch, algo, shares):
     return compute_advantages(batch.select(shares[world.rank]), algo, group=group).token_fields["advantages"]
 
 
-@pytest.mark.parametrize("name", ["grpo", "ppo"])
+@pytest.mark.parametrize("name", ["grpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
 def test_sharded_advantages_equal_whole_batch(pool, name):
     """GRPO groups split across replicas and PPO whitening over replicas give the whole-batch result."""
     torch.manual_seed(0)

@@ -18,13 +18,14 @@ from shardflow.runtime.validate import check_config
 @pytest.fixture
 def base_file(tmp_path):
     path = tmp_path / "exp.yaml"
-    path.write_text(yaml.safe_dump({"models": {"actor": {"path": "m"}}, "data": {"path": "d.jsonl"}}))
+    path.write_text(yaml.safe_dump({"models": {"actor": {"path": "m"}}, "data": {"path": "d.jsonl"},
+                                    "generation": {"samples_per_prompt": 4}}))
     return path
 
 
 def build_graph(config):
     """The graph of the algorithm ``config`` names, after the checks across settings."""
-    return check_config(config)[1]
+    return check_config(config).graph
 
 
 def test_overrides_types_and_unknown_keys(base_file):
@@ -35,8 +36,8 @@ def test_overrides_types_and_unknown_keys(base_file):
         load_config(base_file, ["algorithm.batch_sise=3"])
     with pytest.raises(ValueError, match="'algorithm.batch_size' must be int, got 'abc'"):
         load_config(base_file, ["algorithm.batch_size=abc"])
-    with pytest.raises(ValueError, match="algorithm.name must be one of grpo, ppo; got 'dpo'"):
-        check_config(load_config(base_file, ["algorithm.name=dpo"]))
+    with pytest.raises(ValueError, match="algorithm.name must be one of ppo, grpo, .*, dpo; got 'kto'"):
+        check_config(load_config(base_file, ["algorithm.name=kto"]))
     with pytest.raises(ValueError, match="models.critic is required"):
         check_config(load_config(base_file, ["algorithm.name=ppo"]))
     with pytest.raises(ValueError, match="config key 'algorithm.kl_coef' is now 'algorithm.kl.coef'"):

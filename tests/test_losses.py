@@ -20,6 +20,7 @@ from shardflow.rl.losses import (
     clipped_value_loss,
     kl_penalty,
     normalizer_count,
+    sequence_surrogate,
 )
 
 LN2 = math.log(2.0)
@@ -28,12 +29,12 @@ LN2 = math.log(2.0)
 def test_clipped_surrogate_by_hand():
     ratio = torch.tensor([1.0, 1.5, 0.5, 1.5, 0.5])
     adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0])
-    loss, clipped = clipped_surrogate(ratio.log(), torch.zeros(5), adv, clip_eps=0.2)
+    loss, clipped = clipped_surrogate(ratio.log(), torch.zeros(5), adv, clip_low=0.2)
     # -min(rA, clip(r, 0.8, 1.2) A): 1*1 | 1.2 (clipped) | 0.5 | -1.5 | -0.8 (clipped)
     assert torch.allclose(loss, torch.tensor([-1.0, -1.2, -0.5, 1.5, 0.8]))
     assert clipped.tolist() == [0.0, 1.0, 0.0, 0.0, 1.0]
     # asymmetric: the upper bound moves to 1.28, the lower stays at 0.8
-    loss, clipped = clipped_surrogate(ratio.log(), torch.zeros(5), adv, clip_eps=0.2, clip_eps_high=0.28)
+    loss, clipped = clipped_surrogate(ratio.log(), torch.zeros(5), adv, clip_low=0.2, clip_high=0.28)
     assert torch.allclose(loss, torch.tensor([-1.0, -1.28, -0.5, 1.5, 0.8]))
     assert clipped.tolist() == [0.0, 1.0, 0.0, 0.0, 1.0]
 
@@ -104,14 +105,17 @@ def _rollouts(n: int, seed: int) -> SequenceBatch:
     return SequenceBatch.from_lists(range(n), seqs)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_actor_loss_is_exact_across_replicas_and_micro_batches(mode):
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                  "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("policy_loss", ["ppo_clip", "gspo"])
+def test_actor_loss_is_exact_across_replicas_and_micro_batches(mode, policy_loss):
     batch = _rollouts(7, seed=1)
     gen = torch.Generator().manual_seed(2)
     new_full = (batch.token_fields["logprobs"] + 0.3 * torch.randn(batch.num_tokens, generator=gen)).requires_grad_()
     entropy = torch.rand(batch.num_tokens, generator=gen)
-    loss_fn = ActorLoss(clip_eps=0.2, clip_eps_high=0.3, kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01,
-                        loss_agg=mode)
+    loss_fn = ActorLoss(policy_loss=policy_loss, clip_low=0.2, clip_high=0.3, kl_coef=0.1, kl_estimator="k3",
+                        entropy_coef=0.01, loss_agg=mode, norm_length=16.0,
+                        dual_clip=3.0 if policy_loss == "ppo_clip" else 0.0)
 
     # the whole batch at once
     loss, stats = loss_fn({"logprobs": new_full, "entropy": entropy}, batch, loss_fn.normalizer(batch))
@@ -148,7 +152,7 @@ def test_actor_loss_terms_by_hand():
         "logprobs": [logprobs], "ref_logprobs": [torch.tensor([0.0, math.log(0.25), math.log(0.25)])],
         "advantages": [torch.tensor([0.0, 2.0, 2.0])], "loss_mask": [torch.tensor([0.0, 1.0, 1.0])]})
     entropy = torch.tensor([0.0, 1.0, 0.5])
-    loss_fn = ActorLoss(clip_eps=0.2, kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
+    loss_fn = ActorLoss(clip_low=0.2, kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
     loss, stats = loss_fn({"logprobs": logprobs, "entropy": entropy}, batch, 2.0)
     kl = (0.5 - 1 + LN2 + 0.0) / 2  # k3 at x = log 2 and at x = 0, averaged over two tokens
     assert stats["policy_loss"].item() == pytest.approx(-2.0)
@@ -157,7 +161,7 @@ def test_actor_loss_terms_by_hand():
     assert stats["clip_frac"].item() == 0.0 and stats["approx_kl"].item() == pytest.approx(0.0, abs=1e-7)
     assert loss.item() == pytest.approx(-2.0 + 0.1 * kl - 0.01 * 0.75)
     # with the KL in the reward (kl_coef 0 here) the KL to the reference is still reported
-    loss, stats = ActorLoss(clip_eps=0.2)({"logprobs": logprobs}, batch, 2.0)
+    loss, stats = ActorLoss(clip_low=0.2)({"logprobs": logprobs}, batch, 2.0)
     assert loss.item() == pytest.approx(-2.0) and stats["kl"].item() == pytest.approx(kl)
     with pytest.raises(ValueError, match="entropy_coef > 0 needs the engine to return 'entropy'"):
         loss_fn({"logprobs": logprobs}, batch, 2.0)
@@ -167,11 +171,13 @@ def test_actor_loss_terms_by_hand():
 
 
 def test_actor_loss_from_config_leaves_reward_kl_out_of_the_loss():
-    algo = AlgorithmConfig(name="ppo", kl=KLConfig(coef=0.1, in_reward=True), clip_eps=0.1, clip_eps_high=0.3,
-                           loss_agg="seq-mean-token-sum")
+    algo = AlgorithmConfig(name="ppo", kl=KLConfig(coef=0.1, in_reward=True, estimator="k1"), clip_low=0.1,
+                           clip_high=0.3, loss_agg="seq-mean-token-sum", policy_loss="ppo_clip")
     fn = actor_loss(algo, 0.05)
-    assert fn.kl_coef == 0.0 and fn.clip_eps_high == 0.3 and fn.loss_agg == "seq-mean-token-sum"
-    assert actor_loss(AlgorithmConfig(kl=KLConfig(coef=0.1)), 0.05).kl_coef == 0.05
+    assert fn.kl_coef == 0.0 and fn.clip_high == 0.3 and fn.loss_agg == "seq-mean-token-sum"
+    as_loss = AlgorithmConfig(kl=KLConfig(coef=0.1, in_reward=False, estimator="k3"), clip_low=0.2,
+                              loss_agg="token-mean", policy_loss="ppo_clip")
+    assert actor_loss(as_loss, 0.05).kl_coef == 0.05
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
@@ -192,3 +198,41 @@ def test_critic_loss_by_hand_and_across_micro_batches(mode):
     parts = [loss_fn({"values": new[:3]}, batch.select([0]), normalizer)[0],
              loss_fn({"values": new[3:]}, batch.select([1]), normalizer)[0]]
     assert sum(p.item() for p in parts) == pytest.approx(expected)
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages():
+    ratio = torch.tensor([3.0, 3.0, 0.5])
+    adv = torch.tensor([-1.0, 1.0, -1.0])
+    loss, bounded = clipped_surrogate(ratio.log(), torch.zeros(3), adv, clip_low=0.2, dual_clip=1.5)
+    # A < 0, r = 3: PPO's loss max(3, 1.2) = 3, capped at 1.5 | A > 0: -min(3, 1.2) = -1.2 | r = 0.5: 0.8
+    assert torch.allclose(loss, torch.tensor([1.5, -1.2, 0.8]))
+    assert bounded.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_gspo_ratio_is_per_sequence_and_clipped_sequences_get_no_gradient():
+    """Two sequences (2 and 1 response tokens): s = exp(mean of the token log-ratios), clipped
+    per sequence; with seq-mean-token-mean the gradient by each token's log-probability is
+    -A s / |y| where s is not clipped, 0 where it is."""
+    old = torch.zeros(5)
+    new = torch.tensor([0.0, 0.1, 0.3, 0.0, 0.05], requires_grad=True)
+    mask = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0])
+    lengths = torch.tensor([3, 2])
+    adv = torch.tensor([0.0, 2.0, 2.0, 0.0, -1.0])
+    loss, bounded = sequence_surrogate(new, old, adv, mask, lengths, clip_low=0.1, clip_high=0.1)
+    s0, s1 = math.exp(0.2), math.exp(0.05)
+    assert s0 > 1.1 > s1 > 0.9  # sequence 0 (A > 0) clipped, sequence 1 inside
+    assert loss[1].item() == pytest.approx(-2 * 1.1) and loss[4].item() == pytest.approx(s1)
+    assert bounded[1].item() == 1.0 and bounded[4].item() == 0.0
+    total = aggregate(loss, mask, lengths, "seq-mean-token-mean", 2.0)
+    total.backward()
+    assert new.grad.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.0, 1.0 * s1 / 1 / 2])  # -A s / |y| / sequences
+
+
+def test_constant_length_aggregation_by_hand():
+    per_token = torch.tensor([0.0, 1.0, 3.0, 0.0, 2.0])
+    mask = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0])
+    lengths = torch.tensor([3, 2])
+    # each response's sum over one length (8), averaged over the 2 sequences: (4 / 8 + 2 / 8) / 2
+    value = aggregate(per_token, mask, lengths, "seq-mean-token-sum-norm", 2.0, norm_length=8.0)
+    assert value.item() == pytest.approx(0.375)
+    assert normalizer_count(mask, lengths, "seq-mean-token-sum-norm") == 2.0

@@ -82,8 +82,9 @@ def test_iteration_summary_splits_generation_time():
     from shardflow.runtime.report import merge_reports
     from shardflow.runtime.validate import check_config
 
-    config = load_config(None, base={"models": {"actor": {"path": "x"}}, "data": {"path": "x"}})
-    _, graph = check_config(config)
+    config = load_config(None, base={"models": {"actor": {"path": "x"}}, "data": {"path": "x"},
+                                     "generation": {"samples_per_prompt": 2}})
+    graph = check_config(config).graph
     gen = next(c for c in graph.model_calls() if c.kind.name == "GENERATE")
     plan = symmetric_plan(graph, 2)
 

@@ -50,7 +50,7 @@ def test_plan_command_writes_a_valid_plan_and_a_picture(experiment, tmp_path, ca
     models = {"actor": ModelConfig.from_pretrained(tmp_path / "policy"),
               "ref": ModelConfig.from_pretrained(tmp_path / "policy"),
               "critic": ModelConfig.from_pretrained(tmp_path / "value")}
-    plan.validate(check_config(config)[1], models, 4)
+    plan.validate(check_config(config).graph, models, 4)
     assert plan.notes["estimated_iteration_s"] > 0 and set(plan.notes["baselines_s"]) == {"symmetric", "heuristic"}
     assert (out / "plan.png").read_bytes()[:4] == b"\x89PNG"
 

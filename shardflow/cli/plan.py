@@ -73,8 +73,7 @@ def plan_experiment(config_path: str, overrides: list[str] = (), *, devices: int
                     use_exhaustive: bool = False, prompt_tokens: int | None = None,
                     response_mean: float | None = None, response_std: float | None = None,
                     iterations: int = 3) -> PlanOutcome:
-    config = load_config(config_path, list(overrides))
-    check_config(config)
+    config = check_config(load_config(config_path, list(overrides))).config
     if devices is None and nodes is None:
         devices = config.run.devices
     cluster = Cluster.for_devices(devices, nodes=nodes, gpus_per_node=gpus_per_node)

@@ -11,12 +11,14 @@ import argparse
 import logging
 
 from shardflow.config.experiment import ExperimentConfig
-from shardflow.config.load import load_config, parse_override
+from shardflow.config.load import load_config, merge, parse_override
 from shardflow.config.schema import describe
 from shardflow.examples.arithmetic import example_config
 from shardflow.parallel.launch import launch
 from shardflow.plan.execution_plan import PLAN_FILE_FORMAT
-from shardflow.rl.algorithms import ALGORITHMS
+from shardflow.rl.advantages import ADVANTAGES
+from shardflow.rl.algorithms import ALGORITHMS, algorithm_table
+from shardflow.rl.losses import POLICY_LOSSES
 from shardflow.rl.rewards import REWARD_KINDS
 from shardflow.runtime import checkpointing
 from shardflow.runtime.driver import train_rank
@@ -33,8 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     if args.help_config:
-        keys = describe(ExperimentConfig, choices={"algorithm.name": ALGORITHMS, "reward.kind": REWARD_KINDS})
-        print("\n".join(keys) + "\n\n" + PLAN_FILE_FORMAT)
+        keys = describe(ExperimentConfig, choices={"algorithm.name": ALGORITHMS, "reward.kind": REWARD_KINDS,
+                                                   "algorithm.advantage": ADVANTAGES,
+                                                   "algorithm.policy_loss": POLICY_LOSSES})
+        algorithms = "algorithm.name picks a preset of the algorithm knobs (each can be set on its own):\n" + \
+            "\n".join("  " + line for line in algorithm_table())
+        print("\n".join(keys) + "\n\n" + algorithms + "\n\n" + PLAN_FILE_FORMAT)
         return
     files = [a for a in args.args if "=" not in a]
     overrides = [a for a in args.args if "=" in a]
@@ -42,7 +48,7 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"expected at most one config file, got {files}")
     base = None
     if not files:
-        base = example_config(_example_out_dir(overrides))
+        base = example_config(*_example_settings(overrides))
     config = load_config(files[0] if files else None, overrides, base=base)
     train(config)
 
@@ -69,12 +75,12 @@ def train(config: ExperimentConfig) -> None:
                 f"logs in {out / 'logs'}")
 
 
-def _example_out_dir(overrides: list[str]) -> str:
-    """Where the example's starting checkpoint goes: its run directory (overridable)."""
+def _example_settings(overrides: list[str]) -> tuple[str, str]:
+    """Where the example's starting checkpoints go (its run directory, overridable) and which
+    algorithm it runs (``algorithm.name=...`` picks any)."""
     raw: dict = {}
     for item in overrides:
-        head = parse_override(item)
-        if "run" in head:
-            raw.update(head["run"])
-    name = raw.get("name", "arithmetic")
-    return str(raw.get("out_dir", "runs/{name}")).format(name=name)
+        raw = merge(raw, parse_override(item))
+    run = raw.get("run", {})
+    name = run.get("name", "arithmetic")
+    return str(run.get("out_dir", "runs/{name}")).format(name=name), str(raw.get("algorithm", {}).get("name", "grpo"))

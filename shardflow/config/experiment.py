@@ -55,6 +55,9 @@ class DataConfig(Settings):
     prompt_key: str = setting("prompt", "field with the prompt text")
     messages_key: str = setting("messages", "field with chat messages (used when present)")
     answer_key: str = setting("answer", "field with the reference answer, passed to the reward")
+    response_key: str = setting("response", "field with the response a row teaches (algorithm sft)")
+    chosen_key: str = setting("chosen", "field with the preferred response (algorithm dpo)")
+    rejected_key: str = setting("rejected", "field with the response preferred less (algorithm dpo)")
     chat_template: bool = setting(True, "wrap plain prompts as a user message and apply the tokenizer's chat "
                                         "template")
     max_prompt_tokens: int = setting(512, "prompts longer than this are refused", gt=0)
@@ -119,16 +122,23 @@ class RewardConfig(Settings):
                                       "reward/errors; the run goes on)")
 
 
+PRESET = "(default: the algorithm's)"
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
 @dataclass(frozen=True, kw_only=True)
 class KLConfig(Settings):
     """KL(actor || ref) against a reference model; a coefficient of 0 (and no target) drops the
     reference model from the graph."""
 
     coef: float = setting(0.0, "KL coefficient (the starting one when adapted)", ge=0)
-    in_reward: bool = setting(False, "KL as a per-token reward penalty (PPO classic) instead of a loss term")
-    estimator: str = setting("k3", "Schulman's estimator of the per-token KL", choices=("k1", "k2", "k3"))
-    target: float = setting(0.0, "adapt the coefficient towards this KL per sequence (0 = fixed coefficient)",
-                            ge=0)
+    in_reward: bool | None = setting(None, "KL as a per-token reward penalty (PPO classic) instead of a loss term "
+                                           + PRESET)
+    estimator: str | None = setting(None, "Schulman's estimator of the per-token KL " + PRESET,
+                                    choices=KL_ESTIMATORS)
+    target: float = setting(0.0, "adapt the coefficient towards this KL per sequence, summed over its response "
+                                 "tokens (0 = fixed coefficient)", ge=0)
     horizon: int = setting(10000, "samples over which the adaptive controller reacts", gt=0)
 
     @property
@@ -138,26 +148,67 @@ class KLConfig(Settings):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DynamicSamplingConfig(Settings):
+    """DAPO's dynamic sampling: groups whose rewards are all equal teach nothing and are dropped."""
+
+    enabled: bool | None = setting(None, "drop groups whose rewards are all equal and generate more until the "
+                                         "batch is full " + PRESET)
+    max_rounds: int = setting(4, "generation rounds at most per iteration (the batch may stay short)", gt=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlongConfig(Settings):
+    """DAPO's handling of responses that reach generation.max_new_tokens."""
+
+    buffer: int | None = setting(None, "a soft penalty over the last this many tokens before max_new_tokens, "
+                                       "growing linearly to overlong.penalty (0 = off) " + PRESET, ge=0)
+    penalty: float = setting(1.0, "the soft penalty at max_new_tokens", ge=0)
+    filter: bool | None = setting(None, "responses cut at max_new_tokens take no part in the loss " + PRESET)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPOConfig(Settings):
+    beta: float | None = setting(None, "DPO's inverse temperature on the log-ratio margins " + PRESET, gt=0)
+    label_smoothing: float | None = setting(None, "the assumed share of flipped preference labels (conservative "
+                                                  "DPO) " + PRESET, ge=0, lt=0.5)
+    loss: str | None = setting(None, "sigmoid (DPO) or ipo (IPO's squared loss) " + PRESET,
+                               choices=("sigmoid", "ipo"))
+
+
+@dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig(Settings):
+    """The algorithm by name (``rl.algorithms``): a preset of the knobs below, each of which can
+    also be set on its own; a knob the algorithm cannot use is refused before the run starts."""
+
     name: str = setting("grpo", "the RL algorithm")
-    batch_size: int = setting(8, "prompts per iteration", gt=0)
+    batch_size: int = setting(8, "prompts (or data rows) per iteration", gt=0)
     epochs: int = setting(1, "passes of each train call over the iteration's batch", gt=0)
     mini_batches: int = setting(1, "optimizer steps per pass", gt=0)
     micro_batch_tokens: int = setting(8192, "tokens per micro-batch, padding included (inference and training)",
                                       gt=0)
     share_prompts: bool = setting(True, "inference and training run a prompt's tokens once for all its samples "
                                         "where that saves 5% of the tokens or more (packed rows; the same outputs)")
-    clip_eps: float = setting(0.2, "policy ratio clip (lower side)", ge=0)
-    clip_eps_high: float = setting(0.0, "policy ratio clip, upper side (0 = same as clip_eps)", ge=0)
-    value_clip: float = setting(0.2, "PPO value clip around the old values (0 disables)", ge=0)
-    kl: KLConfig = section(KLConfig, "KL to the reference model")
-    gamma: float = setting(1.0, "discount", ge=0, le=1)
-    lam: float = setting(0.95, "GAE lambda", ge=0, le=1)
+    advantage: str | None = setting(None, "advantage estimator (rl.advantages) " + PRESET)
+    policy_loss: str | None = setting(None, "policy loss (rl.losses): ppo_clip (per token) or gspo (per "
+                                            "sequence ratio) " + PRESET)
+    loss_agg: str | None = setting(None, "how token losses become the step's loss " + PRESET,
+                                   choices=LOSS_AGG_MODES)
+    clip_low: float | None = setting(None, "policy ratio clip below 1 " + PRESET, ge=0, lt=1)
+    clip_high: float | None = setting(None, "policy ratio clip above 1 (DAPO's clip-higher when above clip_low) "
+                                            + PRESET, ge=0)
+    dual_clip: float | None = setting(None, "dual clip: the loss of a negative advantage stays below dual_clip x "
+                                            "|advantage| (> 1; 0 = off) " + PRESET, ge=0)
+    value_clip: float | None = setting(None, "PPO value clip around the old values (0 disables) " + PRESET, ge=0)
+    gamma: float | None = setting(None, "discount of per-token rewards " + PRESET, ge=0, le=1)
+    lam: float | None = setting(None, "GAE lambda " + PRESET, ge=0, le=1)
+    whiten_advantages: bool | None = setting(None, "normalise GAE's advantages over the batch " + PRESET)
+    group_std_normalize: bool | None = setting(None, "GRPO: divide group-centred rewards by the group's std "
+                                                     + PRESET)
     entropy_coef: float = setting(0.0, "entropy bonus coefficient")
-    whiten_advantages: bool = setting(True, "PPO: normalise advantages over the batch")
-    group_std_normalize: bool = setting(True, "GRPO: divide group-centred rewards by the group's std")
-    loss_agg: str = setting("token-mean", "how token losses become the step's loss",
-                            choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
+    kl: KLConfig = section(KLConfig, "KL to the reference model")
+    dynamic_sampling: DynamicSamplingConfig = section(DynamicSamplingConfig, "DAPO's dynamic sampling")
+    overlong: OverlongConfig = section(OverlongConfig, "DAPO's overlong responses")
+    dpo: DPOConfig = section(DPOConfig, "DPO's loss")
 
     @property
     def updates_per_call(self) -> int:
@@ -206,6 +257,8 @@ class ExperimentConfig(Settings):
 
 # Keys that moved, with where they are now: an old config gets told rather than guessed at.
 RENAMED = {
+    "algorithm.clip_eps": "algorithm.clip_low",
+    "algorithm.clip_eps_high": "algorithm.clip_high",
     "algorithm.kl_coef": "algorithm.kl.coef",
     "algorithm.kl_in_reward": "algorithm.kl.in_reward",
     "algorithm.kl_estimator": "algorithm.kl.estimator",

@@ -55,7 +55,9 @@ def section(cls: type, help: str) -> Any:
 
 
 def _broken_rule(meta: Mapping[str, Any], value: Any) -> str | None:
-    """What is wrong with ``value`` under the field's rules, or None."""
+    """What is wrong with ``value`` under the field's rules, or None (None: not set, no rule)."""
+    if value is None:
+        return None
     choices = meta.get("choices")
     if choices is not None and value not in choices:
         shown = ", ".join(repr(c) if c == "" else str(c) for c in choices)
@@ -132,7 +134,9 @@ def _convert(hint: Any, value: Any, name: str) -> Any:
         expected = tuple(a for a in typing.get_args(hint) if isinstance(a, type))
     if typing.get_origin(hint) is list:
         expected = list
-    if expected is float and not isinstance(value, bool):
+    if value is None and isinstance(expected, tuple) and type(None) in expected:
+        return None
+    if (expected is float or (isinstance(expected, tuple) and float in expected)) and not isinstance(value, bool):
         if isinstance(value, int):
             return float(value)
         if isinstance(value, str):  # YAML reads "1e-5" (no dot) as a string
@@ -142,7 +146,8 @@ def _convert(hint: Any, value: Any, name: str) -> Any:
                 pass
     if expected is not None and (not isinstance(value, expected)
                                  or (isinstance(value, bool) and expected in (int, float))):
-        names = expected.__name__ if isinstance(expected, type) else " | ".join(t.__name__ for t in expected)
+        names = (expected.__name__ if isinstance(expected, type)
+                 else " | ".join(t.__name__ for t in expected if t is not type(None)))
         raise ValueError(f"config key {name!r} must be {names}, got {value!r}")
     return value
 

@@ -26,17 +26,22 @@ class Prompt:
     text: str  # the prompt as the model sees it (chat template applied)
     ids: tuple[int, ...]  # its token ids
     answer: Any  # reference answer, passed to the reward as is (None when the row has none)
+    # offline rows: the token ids of each completion the row gives (SFT's response; DPO's chosen,
+    # then rejected), each ending with the end-of-sequence token
+    completions: tuple[tuple[int, ...], ...] = ()
 
 
-def load_prompts(config: DataConfig, tokenizer, *, require_answer: bool = True) -> list[Prompt]:
-    """Read, check and tokenize every prompt of ``config.path``."""
+def load_prompts(config: DataConfig, tokenizer, *, require_answer: bool = True,
+                 completions: tuple[str, ...] = ()) -> list[Prompt]:
+    """Read, check and tokenize every prompt of ``config.path``; with ``completions`` (data keys
+    such as ``data.response_key``), each row's completions under those fields too."""
     path = Path(config.path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt dataset {path} does not exist")
     if config.chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"data.chat_template is on but the tokenizer has no chat template ({path}); "
                          "set data.chat_template=false to use prompts as plain text")
-    prompts = [_prompt(row, where, i, config, tokenizer, require_answer)
+    prompts = [_prompt(row, where, i, config, tokenizer, require_answer, completions)
                for i, (where, row) in enumerate(_rows(path))]
     if not prompts:
         raise ValueError(f"prompt dataset {path} has no rows")
@@ -64,7 +69,8 @@ def _rows(path: Path) -> Iterator[tuple[str, Any]]:
         raise ValueError(f"prompt dataset {path} must be .jsonl or .parquet, got {suffix or 'no suffix'!r}")
 
 
-def _prompt(row: Any, where: str, index: int, config: DataConfig, tokenizer, require_answer: bool) -> Prompt:
+def _prompt(row: Any, where: str, index: int, config: DataConfig, tokenizer, require_answer: bool,
+            completions: tuple[str, ...] = ()) -> Prompt:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be an object with a prompt, got {type(row).__name__}")
     messages = row.get(config.messages_key)
@@ -95,7 +101,17 @@ def _prompt(row: Any, where: str, index: int, config: DataConfig, tokenizer, req
     answer = row.get(config.answer_key)
     if require_answer and answer is None:
         raise ValueError(f"{where}: no {config.answer_key!r} field (the reward needs a reference answer)")
-    return Prompt(index=index, text=text, ids=tuple(ids), answer=answer)
+    return Prompt(index=index, text=text, ids=tuple(ids), answer=answer,
+                  completions=tuple(_completion(row, where, key, tokenizer) for key in completions))
+
+
+def _completion(row: dict, where: str, key: str, tokenizer) -> tuple[int, ...]:
+    """A completion's ids, after the prompt's: its text's tokens and the end-of-sequence token."""
+    text = row.get(key)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{where}: no text {key!r} field (fields: {sorted(row)})")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tuple(ids) + ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
 
 
 def _check_messages(messages: Any, where: str, key: str) -> None:
@@ -117,6 +133,25 @@ def prompt_batch(prompts: list[Prompt]) -> SequenceBatch:
         {"prompt_index": torch.tensor([p.index for p in prompts], dtype=torch.long)},
         {"answers": [p.answer for p in prompts], "prompts": [p.text for p in prompts]},
     )
+
+
+def completion_batch(prompts: list[Prompt]) -> SequenceBatch:
+    """The sequences of offline rows: each completion after its prompt, the loss on the completion
+    (token field ``loss_mask``). Sample ``k * i + j`` is completion ``j`` of the iteration's row
+    ``i`` (``k`` completions per row); seq fields ``prompt_index`` (the row's dataset position),
+    ``prompt_lengths`` and ``completion`` (``j``: 0 for DPO's chosen, 1 for its rejected)."""
+    k = len(prompts[0].completions) if prompts else 0
+    ids, masks, index, lengths, which = [], [], [], [], []
+    for p in prompts:
+        for j, completion in enumerate(p.completions):
+            ids.append(torch.tensor(p.ids + completion, dtype=torch.long))
+            masks.append(torch.cat([torch.zeros(len(p.ids)), torch.ones(len(completion))]))
+            index.append(p.index)
+            lengths.append(len(p.ids))
+            which.append(j)
+    return SequenceBatch.from_lists(range(k * len(prompts)), {"input_ids": ids, "loss_mask": masks},
+                                    {"prompt_index": torch.tensor(index), "prompt_lengths": torch.tensor(lengths),
+                                     "completion": torch.tensor(which)})
 
 
 class PromptSampler:

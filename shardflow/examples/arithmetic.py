@@ -1,6 +1,7 @@
 """The shipped example task: sums of two small numbers, answered with one number.
 
-``data/arithmetic.jsonl`` holds every problem ``a+b=`` with 0 <= a, b <= 5 and its answer;
+``data/arithmetic.jsonl`` holds every problem ``a+b=`` with 0 <= a, b <= 5, its answer and a wrong
+one (``rejected``, for preference algorithms);
 ``data/char_tokenizer/`` the character tokenizer of ``shardflow.models.tiny`` (both written by
 ``examples/make_task.py``). A randomly initialised tiny model almost never writes a number followed
 by the end-of-sequence token, so the run starts from a checkpoint made once by
@@ -18,17 +19,18 @@ from typing import Any
 
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from shardflow.config.experiment import DataConfig
+from shardflow.config.load import load_config
 from shardflow.data.prompts import load_prompts
 from shardflow.models.tiny import char_tokenizer, make_tiny_checkpoint
+from shardflow.rl.algorithms import algorithm_named
 
 DATA_DIR = Path(__file__).parent / "data"
 TASK_FILE = DATA_DIR / "arithmetic.jsonl"
 TOKENIZER_DIR = DATA_DIR / "char_tokenizer"
 CONFIG_FILE = Path(__file__).parent / "arithmetic_grpo.yaml"
-PLAN_FILE = Path(__file__).parent / "arithmetic_plan.yaml"
 MAX_OPERAND = 5
 
 # the starting model: ~165K parameters
@@ -38,8 +40,8 @@ WARMUP_STEPS, WARMUP_BATCH, WARMUP_LR = 35, 64, 3e-3
 
 
 def problems(max_operand: int = MAX_OPERAND) -> list[dict[str, str]]:
-    """Every ``a+b=`` with 0 <= a, b <= max_operand, as dataset rows."""
-    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)}
+    """Every ``a+b=`` with 0 <= a, b <= max_operand, as dataset rows: the answer, and a wrong one."""
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b), "rejected": str(a + b + 1 + (a * b) % 3)}
             for a in range(max_operand + 1) for b in range(max_operand + 1)]
 
 
@@ -96,12 +98,56 @@ def _padded(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[t
     return ids, targets
 
 
-def example_config(out_dir: str | Path) -> dict[str, Any]:
-    """The example run's config mapping (for ``load_config(None, overrides, base=...)``), with its
-    starting checkpoint made under ``out_dir`` if it is not there yet."""
+# The example's calls, each in its own layout over 4 ranks: generation throughput-oriented (four
+# replicas), the reference and the critic on two ranks each, training with 2 pipeline stages x tp 2.
+CALL_LAYOUTS = {
+    "actor_gen": "d4p1t1@0-3",
+    "actor_gen_greedy": "d2p1t1@0-1",
+    "reward_inf": "d2p1t1@2-3",
+    "baseline_reward_inf": "d2p1t1@2-3",
+    "ref_inf": "d2p1t1@2-3",
+    "critic_inf": "d2p1t1@0-1",
+    "actor_inf": "d2p1t2@0-3",
+    "actor_train": "d1p2t2@0-3",
+    "critic_train": "d2p1t2@0-3",
+}
+# What each offline algorithm reads of the task's rows
+OFFLINE_DATA = {"sft": {"response_key": "answer"}, "dpo": {"chosen_key": "answer", "rejected_key": "rejected"}}
+
+
+def make_start_critic(start: Path, path: Path) -> Path:
+    """A value model for the example's PPO: the starting checkpoint's body with a new value head."""
+    if (path / "config.json").is_file():
+        return path
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    critic = AutoModelForSequenceClassification.from_pretrained(start, num_labels=1, dtype=torch.float32)
+    critic.config.pad_token_id = critic.config.pad_token_id or 0
+    critic.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(start).save_pretrained(tmp)
+    tmp.rename(path)
+    return path
+
+
+def example_config(out_dir: str | Path, algorithm: str = "grpo") -> dict[str, Any]:
+    """The example run's config mapping (for ``load_config(None, overrides, base=...)``) for
+    ``algorithm``, with its starting checkpoints made under ``out_dir`` if they are not there yet
+    and a plan of the algorithm's calls written there."""
     raw = yaml.safe_load(CONFIG_FILE.read_text())
-    start = make_start_checkpoint(Path(out_dir) / "start")
-    raw["models"]["actor"]["path"] = raw["models"]["ref"]["path"] = str(start)
+    out_dir = Path(out_dir)
+    start = make_start_checkpoint(out_dir / "start")
+    raw["algorithm"]["name"] = algorithm
     raw["data"]["path"] = str(TASK_FILE)
-    raw["plan"] = str(PLAN_FILE)
+    raw["data"].update(OFFLINE_DATA.get(algorithm, {}))
+    if algorithm in OFFLINE_DATA:
+        del raw["algorithm"]["kl"]  # DPO's reference is no KL term; SFT has none
+    graph = algorithm_named(algorithm).graph(load_config(None, base=raw))
+    paths = {"actor": start, "ref": start, "reward": None, "critic": None}
+    if "critic" in graph.models():
+        paths["critic"] = make_start_critic(start, out_dir / "start-critic")
+    raw["models"] = {role: {**raw["models"].get(role, {}), "path": str(paths[role])} for role in graph.models()}
+    plan = out_dir / f"plan-{algorithm}.yaml"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan.write_text(yaml.safe_dump({"calls": {c.name: CALL_LAYOUTS[c.name] for c in graph.model_calls()}}))
+    raw["plan"] = str(plan)
     return raw

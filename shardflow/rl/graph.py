@@ -26,6 +26,7 @@ class Call:
     model: str | None  # model role; None for FUNCTION calls
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
+    greedy: bool = False  # a generate call that decodes greedily (ReMax's baseline), whatever the sampling settings
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", Kind(self.kind))

@@ -4,6 +4,7 @@ Keys and what they hold in the iteration's SequenceBatch:
   prompts       (data) prompt token ids and reference answers
   responses     input_ids (prompt + response), loss_mask, prompt_lengths, logprobs (generator's)
   rewards       seq field "rewards" (a scalar per sequence)
+  baseline_responses, baseline_rewards   ReMax's greedy responses and their seq field "baseline_rewards"
   ref_logprobs  token field "ref_logprobs"
   values        token field "values" (critic)
 Advantages and returns are computed at the start of each train call from these keys.
@@ -18,12 +19,14 @@ from shardflow.rl.graph import Call, Kind
 from shardflow.rl.rewards import reward_kind
 
 
-def reward_call(config: ExperimentConfig) -> Call:
-    """The reward of the responses: a function where they are held, or a reward model's call."""
+def reward_call(config: ExperimentConfig, responses: str = "responses", rewards: str = "rewards",
+                prefix: str = "reward") -> Call:
+    """The reward of ``responses`` into the seq field ``rewards``: a function where they are held
+    (``{prefix}_fn``), or a reward model's call (``{prefix}_inf``)."""
     model = reward_kind(config.reward.kind).model
     if model is not None:
-        return Call("reward_inf", Kind.INFERENCE, model, ("responses",), ("rewards",))
-    return Call("reward_fn", Kind.FUNCTION, None, ("responses",), ("rewards",))
+        return Call(f"{prefix}_inf", Kind.INFERENCE, model, (responses,), (rewards,))
+    return Call(f"{prefix}_fn", Kind.FUNCTION, None, (responses,), (rewards,))
 
 
 def rollout_calls(config: ExperimentConfig) -> list[Call]:

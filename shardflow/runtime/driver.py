@@ -15,7 +15,9 @@ import json
 import logging
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -24,17 +26,19 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from shardflow.config.experiment import ExperimentConfig, ModelSpec
-from shardflow.data.prompts import PromptSampler
+from shardflow.data.batch import SequenceBatch
+from shardflow.data.prompts import PromptSampler, completion_batch
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
 from shardflow.engine.adaptive.trace import GenerationTrace, plot_trace
 from shardflow.models.checkpoint import save_checkpoint
 from shardflow.parallel.world import World
 from shardflow.rl.advantages import KLController
+from shardflow.rl.graph import Call, Graph
 from shardflow.rl.rewards import reward_function, reward_kind
 from shardflow.runtime import checkpointing
 from shardflow.runtime.calls import CALL_KINDS
 from shardflow.runtime.calls.context import CallContext, CallReport, RunState
-from shardflow.runtime.calls.data import Held, communication_groups, is_holder, join, push_outputs
+from shardflow.runtime.calls.data import Held, communication_groups, is_holder, join, push_outputs, source_share
 from shardflow.runtime.metrics import MetricsLogger
 from shardflow.runtime.models import ModelSlot
 from shardflow.runtime.pictures import draw_generation, draw_timeline
@@ -74,11 +78,12 @@ class Run:
         world.groups.create(communication_groups(self.graph, self.plan))
 
         tokenizer = AutoTokenizer.from_pretrained(config.models["actor"].path)
-        self.prompts = prepared.prompts
+        self.prompts = prepared.prompts  # the dataset's rows
         self.sampler = PromptSampler(len(self.prompts), config.algorithm.batch_size, seed=config.run.seed,
                                      shuffle=config.data.shuffle)
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        reward_fn = reward_function(config.reward) if reward_kind(config.reward.kind).build is not None else None
+        scored = prepared.algorithm.online and reward_kind(config.reward.kind).build is not None
+        reward_fn = reward_function(config.reward) if scored else None
         self.state = RunState(tokenizer=tokenizer, eos_token_ids=eos + list(prepared.models["actor"].eos_token_ids),
                               reward_fn=reward_fn, kl=KLController.from_config(config.algorithm.kl))
         self.start_iteration = 0
@@ -98,42 +103,101 @@ class Run:
     def iteration(self, it: int) -> dict:
         world, config = self.world, self.config
         prompts = [self.prompts[i] for i in self.sampler.next_batch()]
-        held: dict[str, Held] = {}
-        inbox: dict[str, list] = {c.name: [] for c in self.graph.model_calls()}
-        reports: dict[str, CallReport] = {}
-        for call in self.graph.order:
-            kind = CALL_KINDS[call.kind]
-            report = reports.setdefault(call.name, CallReport())
-            start = time.time()
-            if kind.uses_model:
-                layout, slot = self.plan[call.name].layout, self.slots[call.model]
-                model = slot.model_for(layout)
-                report.metrics[f"time/realloc/{call.name}"] = slot.last_move.seconds
-                report.metrics[f"realloc/{call.name}/bytes"] = float(slot.last_move.bytes_moved)
-                batch = join(inbox.pop(call.name)) if world.rank in layout and call.inputs != ("prompts",) else None
-            else:  # where its input is held
-                slot = model = None
-                layout, batch = held[call.inputs[0]].layout, held[call.inputs[0]].batch
-            ctx = CallContext(world=world, config=config, algorithm=self.prepared.algorithm, plan=self.plan, call=call,
-                              layout=layout, iteration=it, prompts=prompts, state=self.state, report=report,
-                              slot=slot, model=model, batch=batch)
-            out = kind.run(ctx)
-            if slot is not None:
-                slot.done_with(layout)
-            if world.rank in layout:
-                report.span = (start, time.time())
-            for key in call.outputs:
-                held[key] = Held(layout, out if is_holder(layout, world.rank) else None)
-            push_outputs(world, self.graph, self.plan, call, layout, out, inbox)
+        walk = Walk(held={}, inbox={c.name: [] for c in self.graph.model_calls()}, reports={})
+        calls, extra = list(self.graph.order), {}
+        if self.prepared.algorithm.online and config.algorithm.dynamic_sampling.enabled:
+            phase = sampling_calls(self.graph)
+            extra = self._sample_dynamically(it, prompts, phase, walk)
+            calls = [c for c in calls if c.name not in phase]
+        for call in calls:
+            self._run_call(call, it, prompts, walk)
 
         # Every rank shares its reports; all compute the same summary.
         gathered: list = [None] * world.size
-        dist.all_gather_object(gathered, reports)
+        dist.all_gather_object(gathered, walk.reports)
         summary = merge_reports(gathered, self.graph, self.plan, config)
-        if "actor/kl" in summary:
-            self.state.kl.update(summary["actor/kl"], len(prompts) * config.generation.samples_per_prompt)
+        summary.update(extra)
+        if "actor/sequence_kl" in summary:  # the KL per sample, summed over its response tokens
+            self.state.kl.update(summary["actor/sequence_kl"], len(prompts) * config.generation.samples_per_prompt)
         summary["kl_coef"] = self.state.kl.value
         return summary
+
+    def _run_call(self, call: Call, it: int, prompts: list, walk: "Walk", *, round: int = 0,
+                  push_to: Sequence[str] | None = None) -> None:
+        """One call on this rank: the model into the call's layout, the call's kind on its inputs,
+        its outputs held and sent on (to the calls in ``push_to`` only, if given)."""
+        world = self.world
+        kind = CALL_KINDS[call.kind]
+        report = walk.reports.setdefault(call.name, CallReport()) if round == 0 else CallReport()
+        start = time.time()
+        if kind.uses_model:
+            layout, slot = self.plan[call.name].layout, self.slots[call.model]
+            model = slot.model_for(layout)
+            report.metrics[f"time/realloc/{call.name}"] = slot.last_move.seconds
+            report.metrics[f"realloc/{call.name}/bytes"] = float(slot.last_move.bytes_moved)
+            batch = self._inputs(call, layout, walk.inbox, prompts)
+        else:  # where its input is held
+            slot = model = None
+            layout, batch = walk.held[call.inputs[0]].layout, walk.held[call.inputs[0]].batch
+        ctx = CallContext(world=world, config=self.config, algorithm=self.prepared.algorithm, plan=self.plan,
+                          call=call, layout=layout, iteration=it, prompts=prompts, state=self.state, report=report,
+                          slot=slot, model=model, batch=batch, round=round)
+        out = kind.run(ctx)
+        if slot is not None:
+            slot.done_with(layout)
+        if world.rank in layout:
+            report.span = (start, time.time())
+        if round > 0:
+            walk.reports[call.name].absorb(report)
+        for key in call.outputs:
+            walk.held[key] = Held(layout, out if is_holder(layout, world.rank) else None)
+        push_outputs(world, self.graph, self.plan, call, layout, out, walk.inbox, to=push_to)
+
+    def _sample_dynamically(self, it: int, prompts: list, phase: list[str], walk: "Walk") -> dict[str, float]:
+        """DAPO's dynamic sampling: generate and score rounds of prompts until ``batch_size`` groups
+        with rewards that are not all equal are in hand (or ``max_rounds`` rounds have run), keep
+        those groups' samples on their holders, and send them on to the calls after the phase."""
+        config, world = self.config, self.world
+        n, want = config.generation.samples_per_prompt, config.algorithm.batch_size
+        settings = config.algorithm.dynamic_sampling
+        rounds: list[dict[str, Held]] = []
+        kept: list[int] = []  # groups (sample id // n) in the order they were found
+        generated = 0
+        for round in range(settings.max_rounds):
+            rows = prompts if round == 0 else [self.prompts[i] for i in self.sampler.next_batch()]
+            local = Walk(held={}, inbox={name: [] for name in phase}, reports=walk.reports)
+            for name in phase:
+                self._run_call(self.graph.call(name), it, rows, local, round=round, push_to=phase)
+            rounds.append(local.held)
+            generated += len(rows)
+            kept += informative_groups(world, local.held["rewards"], n)
+            if len(kept) >= want:
+                break
+        chosen = set(kept[:want]) or {g for g in range(len(prompts))}  # nothing informative: round 0, as is
+        for key in {k for held in rounds for k in held}:
+            parts = [held[key] for held in rounds]
+            batches = [h.batch.select([i for i, s in enumerate(h.batch.sample_ids.tolist()) if s // n in chosen])
+                       for h in parts if h.batch is not None]
+            walk.held[key] = Held(parts[0].layout, SequenceBatch.concat(batches) if batches else None)
+        outside = [c.name for c in self.graph.model_calls() if c.name not in phase]
+        for name in phase:
+            call = self.graph.call(name)
+            held = walk.held[call.outputs[0]]
+            push_outputs(world, self.graph, self.plan, call, held.layout, held.batch, walk.inbox, to=outside)
+        return {"dynamic_sampling/rounds": float(len(rounds)), "dynamic_sampling/groups": float(generated),
+                "dynamic_sampling/kept_groups": float(len(chosen)),
+                "dynamic_sampling/dropped_groups": float(generated - len(set(kept)))}
+
+    def _inputs(self, call, layout, inbox: dict[str, list], rows: list) -> SequenceBatch | None:
+        """A model call's inputs on this rank: what reached it from other calls, and its replica's
+        share of the data rows when it reads them as sequences (an offline algorithm's
+        ``examples``); None outside the layout and for a generate call (it reads the prompts)."""
+        if self.world.rank not in layout or call.inputs == ("prompts",):
+            return None
+        parts = inbox.pop(call.name)
+        if any(key in self.graph.sources and key != "prompts" for key in call.inputs):
+            parts.append(source_share(completion_batch(rows), layout, self.world.rank))
+        return join(parts)
 
     # ----- checkpoints -----------------------------------------------------------------------------
 
@@ -180,6 +244,44 @@ class Run:
         torch.set_rng_state(mine["rng"])
         np.random.set_state(mine["np_rng"])
         random.setstate(mine["py_rng"])
+
+
+@dataclass
+class Walk:
+    """What one walk over the graph holds on this rank: each key's data, what reached each model
+    call, each call's report."""
+
+    held: dict[str, Held]
+    inbox: dict[str, list]
+    reports: dict[str, CallReport]
+
+
+def sampling_calls(graph: Graph) -> list[str]:
+    """The calls that produce the rewards, and the calls they read from, in the graph's order:
+    what dynamic sampling repeats round after round."""
+    needed, todo = set(), [graph.producer("rewards")]
+    while todo:
+        name = todo.pop()
+        if name in needed or name == "<data>":
+            continue
+        needed.add(name)
+        todo += graph.dependencies(graph.call(name))
+    return [c.name for c in graph.order if c.name in needed]
+
+
+def informative_groups(world: World, rewards: Held, samples_per_prompt: int) -> list[int]:
+    """The groups (sample id // samples per prompt) whose rewards are not all equal, gathered from
+    the rewards' holders onto every rank, in increasing order."""
+    mine = ([], [])
+    if rewards.batch is not None:
+        mine = (rewards.batch.sample_ids.tolist(), rewards.batch.seq_fields["rewards"].tolist())
+    gathered: list = [None] * world.size
+    dist.all_gather_object(gathered, mine)
+    values: dict[int, set] = {}
+    for ids, scores in gathered:
+        for sample, score in zip(ids, scores):
+            values.setdefault(sample // samples_per_prompt, set()).add(score)
+    return sorted(g for g, scores in values.items() if len(scores) > 1)
 
 
 def train_rank(world: World, prepared: Prepared) -> None:

@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 # the short console line: the keys a reader follows run by run, with a short label
 CONSOLE_SHORT = (
     ("reward/mean", "reward"), ("reward/std", "±"), ("response_length/mean", "len"), ("actor/kl", "kl"),
-    ("reward/errors", "reward errors"), ("time/iteration", "time"),
+    ("reward/errors", "reward errors"), ("actor/nll", "nll"), ("actor/dpo_loss", "dpo loss"),
+    ("actor/dpo_accuracy", "acc"), ("time/iteration", "time"),
 )
 # the full line (--log-level debug) begins with these; the rest follow in sorted order
 CONSOLE_FIRST = (

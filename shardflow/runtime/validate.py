@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import AutoTokenizer
@@ -20,7 +21,7 @@ from shardflow.config.model import ModelConfig
 from shardflow.data.prompts import Prompt, load_prompts
 from shardflow.plan.execution_plan import ExecutionPlan, symmetric_plan
 from shardflow.rl.algorithms import algorithm_named
-from shardflow.rl.algorithms.base import Algorithm
+from shardflow.rl.algorithms.base import Algorithm, check_knobs
 from shardflow.rl.graph import Graph, Kind
 from shardflow.rl.rewards import reward_function, reward_kind
 from shardflow.runtime import checkpointing
@@ -44,10 +45,18 @@ class Prepared:
     resume_iteration: int = 0  # its iteration (0: a fresh start)
 
 
-def check_config(config: ExperimentConfig) -> tuple[Algorithm, Graph]:
-    """The rules across settings that need no file; returns the algorithm and its graph."""
+class Checked(NamedTuple):
+    config: ExperimentConfig  # with the algorithm's knobs resolved (no None left that the run reads)
+    algorithm: Algorithm
+    graph: Graph
+
+
+def check_config(config: ExperimentConfig) -> Checked:
+    """The rules across settings that need no file; resolves the algorithm's knobs."""
+    algorithm = algorithm_named(config.algorithm.name)
+    user = config.algorithm
+    config = algorithm.resolve(config)
     algo = config.algorithm
-    algorithm = algorithm_named(algo.name)
     reward_kind(config.reward.kind)
     if algo.batch_size % algo.mini_batches:
         raise ValueError(f"algorithm.mini_batches ({algo.mini_batches}) must divide algorithm.batch_size "
@@ -56,6 +65,7 @@ def check_config(config: ExperimentConfig) -> tuple[Algorithm, Graph]:
         raise ValueError(f"algorithm.kl.target needs a positive algorithm.kl.coef to start from, got {algo.kl.coef}")
     algorithm.check(config)
     graph = algorithm.graph(config)
+    check_knobs(algorithm, user, config, graph)
     need = list(graph.models())
     for role in need:
         if role not in config.models:
@@ -74,7 +84,7 @@ def check_config(config: ExperimentConfig) -> tuple[Algorithm, Graph]:
                              f"run has {steps} optimizer step(s) and warmup_steps={optim.warmup_steps}")
     if not config.data.path:
         raise ValueError("data.path is required")
-    return algorithm, graph
+    return Checked(config, algorithm, graph)
 
 
 def resolve_backend(config: ExperimentConfig) -> str:
@@ -118,7 +128,7 @@ def check_plan(config: ExperimentConfig, graph: Graph, models: dict[str, ModelCo
 
 
 def prepare(config: ExperimentConfig) -> Prepared:
-    algorithm, graph = check_config(config)
+    config, algorithm, graph = check_config(config)
     models = model_configs(config, graph)
     backend = resolve_backend(config)
     if backend == "nccl" and torch.cuda.device_count() < config.run.devices:
@@ -130,10 +140,12 @@ def prepare(config: ExperimentConfig) -> Prepared:
     if data.suffix not in (".jsonl", ".parquet"):
         raise ValueError(f"data.path must be a .jsonl or .parquet file, got {data.name}")
     reward = reward_kind(config.reward.kind)
-    if reward.build is not None:
+    if reward.build is not None and algorithm.online:
         reward_function(config.reward)  # a user's function that cannot be imported fails here, not on the ranks
     tokenizer = AutoTokenizer.from_pretrained(config.models["actor"].path)
-    prompts = load_prompts(config.data, tokenizer, require_answer=reward.model is None)
+    completions = tuple(getattr(config.data, key) for key in algorithm.completions)
+    prompts = load_prompts(config.data, tokenizer, require_answer=algorithm.online and reward.model is None,
+                           completions=completions)
     resume_dir = check_resume(config, graph, plan)
     return Prepared(config, algorithm, graph, models, plan, backend, prompts, resume_dir,
                     checkpointing.iteration_of(resume_dir) if resume_dir is not None else 0)

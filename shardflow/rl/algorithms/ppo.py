@@ -8,12 +8,8 @@ per-token reward penalty when ``algorithm.kl.in_reward``), whitened over the bat
 
 from __future__ import annotations
 
-from torch.distributed import ProcessGroup
-
-from shardflow.config.experiment import AlgorithmConfig, ExperimentConfig
-from shardflow.data.batch import SequenceBatch
-from shardflow.rl.advantages import gae, whiten
-from shardflow.rl.algorithms.base import Algorithm
+from shardflow.config.experiment import ExperimentConfig
+from shardflow.rl.algorithms.base import CLIPPED, Algorithm
 from shardflow.rl.graph import Call, Graph, Kind
 from shardflow.rl.graphs import rollout_calls, train_call
 from shardflow.rl.losses import actor_loss, critic_loss
@@ -24,15 +20,7 @@ def graph(config: ExperimentConfig) -> Graph:
     return Graph("ppo", (*calls, train_call("actor", calls), train_call("critic", calls)))
 
 
-def advantages(batch: SequenceBatch, algo: AlgorithmConfig, kl_coef: float,
-               group: ProcessGroup | None) -> SequenceBatch:
-    out = gae(batch, gamma=algo.gamma, lam=algo.lam, kl_coef=kl_coef if algo.kl.in_reward else 0.0,
-              kl_estimator=algo.kl.estimator)
-    if algo.whiten_advantages:
-        out = out.update({"advantages": whiten(out.token_fields["advantages"], out.token_fields["loss_mask"],
-                                               group=group)})
-    return out
-
-
 PPO = Algorithm(name="ppo", summary="GAE advantages from a learned critic, clipped policy and value losses",
-                graph=graph, advantages=advantages, losses={"actor": actor_loss, "critic": critic_loss})
+                graph=graph, losses={"actor": actor_loss, "critic": critic_loss},
+                preset={**CLIPPED, "advantage": "gae", "gamma": 1.0, "lam": 0.95, "whiten_advantages": True,
+                        "value_clip": 0.2, "loss_agg": "token-mean"})

@@ -36,6 +36,19 @@ class CallReport:
     adaptive: dict | None = None  # an adaptive generation's trace (layout's first rank)
     errors: list[str] = field(default_factory=list)  # contained failures (a reward that raised), to report
 
+    def absorb(self, other: "CallReport") -> None:
+        """Add another round of the same call (dynamic sampling): counts and times add up, lists
+        grow, the span covers both."""
+        for key, value in other.metrics.items():
+            self.metrics[key] = self.metrics.get(key, 0.0) + value
+        for key, values in other.rollout.items():
+            self.rollout[key] = self.rollout.get(key, []) + values
+        self.decode_steps += other.decode_steps
+        self.errors += other.errors
+        if other.span is not None:
+            self.span = other.span if self.span is None else (min(self.span[0], other.span[0]),
+                                                              max(self.span[1], other.span[1]))
+
 
 @dataclass
 class RunState:
@@ -64,6 +77,7 @@ class CallContext:
     slot: ModelSlot | None = None  # the call's model role (model calls)
     model: Transformer | None = None  # this rank's model in ``layout`` (None outside it)
     batch: SequenceBatch | None = None  # the call's inputs on this rank (joined by sample id)
+    round: int = 0  # the generation round of the iteration (dynamic sampling generates several)
 
     @property
     def micro_batches(self) -> int | None:

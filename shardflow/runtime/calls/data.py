@@ -13,12 +13,13 @@ layout passes through the collectives it takes part in.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from shardflow.data.batch import SequenceBatch
 from shardflow.parallel.layout import Layout
-from shardflow.parallel.redistribute import redistribute, redistribute_groups, source_holders
+from shardflow.parallel.redistribute import assign_shares, redistribute, redistribute_groups, source_holders
 from shardflow.parallel.world import World
 from shardflow.plan.execution_plan import ExecutionPlan
 from shardflow.rl.graph import Call, Graph, Kind
@@ -60,6 +61,14 @@ def _holding_layout(graph: Graph, name: str, layout_of: dict[str, Layout]) -> La
     return layout_of[call.name]
 
 
+def source_share(batch: SequenceBatch, layout: Layout, rank: int) -> SequenceBatch:
+    """This rank's replica's share of a batch every rank holds whole (data rows as sequences): the
+    same assignment ``redistribute`` makes of those samples, so it joins with what other calls
+    send."""
+    shares = assign_shares([batch.lengths.tolist()], layout.dp, None, [batch.sample_ids.tolist()])
+    return batch.select([i for _, i in shares[layout.coord(rank).dp]])
+
+
 def join(parts: list[SequenceBatch]) -> SequenceBatch:
     """Batches of the same samples (any order) merged field by field, in sample-id order."""
     parts = [p.sorted_by_id() for p in parts]
@@ -81,11 +90,15 @@ def consumers(graph: Graph, call: Call) -> list[Call]:
 
 
 def push_outputs(world: World, graph: Graph, plan: ExecutionPlan, call: Call, layout: Layout,
-                 out: SequenceBatch | None, inbox: dict[str, list[SequenceBatch]]) -> None:
-    """Send a call's outputs from its holders to the replicas of every call that reads them, right
-    after it ran: a consumer's ranks receive early and keep the data until their call, so the
-    producer's ranks never wait for the consumer's turn (calls on disjoint devices stay overlapped)."""
+                 out: SequenceBatch | None, inbox: dict[str, list[SequenceBatch]], *,
+                 to: Sequence[str] | None = None) -> None:
+    """Send a call's outputs from its holders to the replicas of every call that reads them (of
+    the calls named in ``to`` only, if given), right after it ran: a consumer's ranks receive
+    early and keep the data until their call, so the producer's ranks never wait for the
+    consumer's turn (calls on disjoint devices stay overlapped)."""
     for consumer in consumers(graph, call):
+        if to is not None and consumer.name not in to:
+            continue
         local = None
         if is_holder(layout, world.rank):
             local = out

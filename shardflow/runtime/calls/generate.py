@@ -44,10 +44,15 @@ def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int, de
     )
 
 
-def generation_requests(config: ExperimentConfig, prompts: list[Prompt], iteration: int) -> list[Request]:
+def generation_requests(config: ExperimentConfig, prompts: list[Prompt], iteration: int, *,
+                        greedy: bool = False, round: int = 0) -> list[Request]:
+    """The requests of one generate call: the same ids for every call of an iteration, so that a
+    greedy baseline's responses join the sampled ones sample by sample; a later generation round
+    (dynamic sampling) draws from its own seed."""
     gen = config.generation
-    params = SamplingParams(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_k=gen.top_k,
-                            top_p=gen.top_p, seed=derive_seed(config.run.seed, iteration),
+    seed = derive_seed(config.run.seed, iteration) if round == 0 else derive_seed(config.run.seed, iteration, round)
+    params = SamplingParams(max_new_tokens=gen.max_new_tokens, temperature=0.0 if greedy else gen.temperature,
+                            top_k=gen.top_k, top_p=gen.top_p, seed=seed,
                             stop_token_ids=tuple(gen.stop_token_ids), ignore_eos=gen.force_length)
     return make_requests([p.ids for p in prompts], params, gen.samples_per_prompt)
 
@@ -57,7 +62,7 @@ def run_generate(ctx: CallContext) -> SequenceBatch | None:
         return None
     adaptive = ctx.config.generation.adaptive.enabled
     out = (_generate_adaptive if adaptive else _generate)(ctx, _engine(ctx, adaptive))
-    if out is not None:
+    if out is not None and ctx.call.outputs == ("responses",):  # the rollouts' facts, not a baseline's
         ctx.report.rollout.update(rollout_lists(out))
     return out
 
@@ -95,7 +100,7 @@ def adaptive_generator(world: World, model: Transformer, targets: Sequence[Layou
 
 
 def _generate(ctx: CallContext, engine: GenerationEngine) -> SequenceBatch | None:
-    requests = generation_requests(ctx.config, ctx.prompts, ctx.iteration)
+    requests = generation_requests(ctx.config, ctx.prompts, ctx.iteration, greedy=ctx.call.greedy, round=ctx.round)
     c = ctx.layout.coord(ctx.world.rank)
     mine = replica_share(requests, ctx.layout.dp, c.dp)
     start = time.perf_counter()
@@ -111,11 +116,11 @@ def _generate(ctx: CallContext, engine: GenerationEngine) -> SequenceBatch | Non
     report.metrics.update({"generation/tokens": float(engine.stats.generated_tokens), "generation/seconds": seconds,
                            "generation/setup_seconds": setup,
                            "generation/prefill_seconds": engine.stats.prefill_seconds})
-    return rollouts(mine, ctx.prompts) if c.tp == 0 else None
+    return rollouts(mine, ctx.prompts, first_id=sample_offset(ctx)) if c.tp == 0 else None
 
 
 def _generate_adaptive(ctx: CallContext, generator: AdaptiveGenerator) -> SequenceBatch | None:
-    requests = generation_requests(ctx.config, ctx.prompts, ctx.iteration)
+    requests = generation_requests(ctx.config, ctx.prompts, ctx.iteration, greedy=ctx.call.greedy, round=ctx.round)
     c = ctx.layout.coord(ctx.world.rank)
     start = time.perf_counter()
     done = generator.generate(requests)
@@ -130,13 +135,20 @@ def _generate_adaptive(ctx: CallContext, generator: AdaptiveGenerator) -> Sequen
         report.decode_steps = list(zip(trace.active, trace.step_seconds))
         report.metrics.update(trace.metrics())
         report.adaptive = trace.to_dict()
-    return rollouts(mine, ctx.prompts) if c.tp == 0 else None
+    return rollouts(mine, ctx.prompts, first_id=sample_offset(ctx)) if c.tp == 0 else None
 
 
-def rollouts(mine: list[Request], prompts: list[Prompt]) -> SequenceBatch:
-    """A replica's finished requests as the batch its holder keeps."""
+def sample_offset(ctx: CallContext) -> int:
+    """The first sample id of the call's round: the rounds of an iteration number their samples
+    apart (a prompt's samples are consecutive, so a sample's group is its id // samples per prompt)."""
+    return ctx.round * len(ctx.prompts) * ctx.config.generation.samples_per_prompt
+
+
+def rollouts(mine: list[Request], prompts: list[Prompt], *, first_id: int = 0) -> SequenceBatch:
+    """A replica's finished requests as the batch its holder keeps (sample ids from ``first_id``)."""
     batch = to_sequence_batch(mine)
     groups = [r.group for r in mine]
+    batch = SequenceBatch(batch.sample_ids + first_id, batch.lengths, batch.token_fields, batch.seq_fields, batch.meta)
     return batch.update(seq_fields={"prompt_index": torch.tensor([prompts[g].index for g in groups])},
                         meta={"answers": [prompts[g].answer for g in groups]})
 

@@ -25,8 +25,9 @@ def token_budget(batch: SequenceBatch, default: int, micro_batches: int | None) 
 
 
 def lm_temperature(ctx: CallContext) -> float:
-    """The temperature that the generator's log-probabilities were taken at."""
-    return max(ctx.config.generation.temperature, 1e-6)
+    """The temperature that the generator's log-probabilities were taken at (1 offline: the data
+    rows come from no sampler)."""
+    return max(ctx.config.generation.temperature, 1e-6) if ctx.algorithm.online else 1.0
 
 
 def _per_token(ctx: CallContext, what: str, key: str) -> SequenceBatch | None:
@@ -55,15 +56,19 @@ def _sequence_scores(ctx: CallContext) -> SequenceBatch | None:
         return None
     last = out.offsets[1:] - 1  # the appended position
     scores = out.token_fields["values"][last.to(out.token_fields["values"].device)].float().cpu()
-    ctx.report.rollout["reward"] = scores.tolist()
-    return SequenceBatch(batch.sample_ids, batch.lengths, {}, {"rewards": scores})
+    (key,) = ctx.call.outputs
+    if key == "rewards":
+        ctx.report.rollout["reward"] = scores.tolist()
+    return SequenceBatch(batch.sample_ids, batch.lengths, {}, {key: scores})
 
 
 # the key an inference call writes -> how it is computed
 OUTPUTS = {
     "ref_logprobs": lambda ctx: _per_token(ctx, "logprobs", "ref_logprobs"),
+    "logprobs": lambda ctx: _per_token(ctx, "logprobs", "logprobs"),  # the policy's own (offline algorithms)
     "values": lambda ctx: _per_token(ctx, "values", "values"),
     "rewards": _sequence_scores,
+    "baseline_rewards": _sequence_scores,
 }
 
 

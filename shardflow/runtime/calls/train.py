@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 from shardflow.data.batch import SequenceBatch
+from shardflow.rl.advantages import sequence_kl
+from shardflow.rl.rewards.shaping import shape_overlong
 from shardflow.runtime.calls.context import CallContext
 from shardflow.runtime.calls.inference import lm_temperature, token_budget
 
@@ -18,10 +20,19 @@ def run_train(ctx: CallContext) -> SequenceBatch | None:
     if engine is None:
         return None
     world, layout, algo, role = ctx.world, ctx.layout, ctx.config.algorithm, ctx.call.model
-    kl_coef = ctx.state.kl.value
+    kl_coef, max_len = ctx.state.kl.value, ctx.config.generation.max_new_tokens
     dp_group = world.groups.get(layout.dp_group(world.rank))
-    batch = ctx.algorithm.advantages(ctx.batch.to("cpu"), algo, kl_coef, dp_group)
-    loss_fn = ctx.algorithm.loss(role, algo, kl_coef)
+    batch = ctx.batch.to("cpu")
+    if ctx.algorithm.online:
+        if "ref_logprobs" in batch.token_fields:  # what the adaptive KL controller follows
+            ctx.report.metrics[f"{role}/sequence_kl"] = sequence_kl(batch, group=dp_group)
+        overlong = algo.overlong
+        if overlong.buffer or overlong.filter:
+            batch = shape_overlong(batch, max_len=max_len, buffer=overlong.buffer or 0, penalty=overlong.penalty,
+                                   filter_truncated=bool(overlong.filter))
+    batch, measured = ctx.algorithm.advantages(batch, algo, kl_coef, dp_group)
+    ctx.report.metrics.update({f"{role}/{k}": v for k, v in measured.items()})
+    loss_fn = ctx.algorithm.loss(role, algo, kl_coef, norm_length=max_len)
     temperature = 1.0 if ctx.model.cfg.value_head else lm_temperature(ctx)
     order = torch.argsort(batch.sample_ids)
     parts = [order[i::algo.mini_batches] for i in range(algo.mini_batches)]
