@@ -5,8 +5,9 @@ slots, top_k, seeds, shared-prompt groups and their prompt lengths) and ``floats
 (temperatures, top_p), of which the first rows hold the batch. After sampling, the step itself
 writes the next step's inputs of the same rows into the buffers (each row's sampled token, at the
 next position), so that a batch whose rows do not change decodes step after step with no host work
-in between: the engine launches the next step before it reads the previous one's tokens back. When rows leave the batch, ``keep`` compacts the
-buffers on the device; when rows join, the engine ``load``s them from the host.
+in between: the engine launches the next step before it reads the previous one's tokens back.
+When rows leave the batch, ``keep`` compacts the buffers on the device; when rows join, the
+engine ``load``s them from the host.
 
 With graphs, a batch of B requests runs the graph of the smallest bucket >= B, its extra rows
 filled with a dummy request that lives in the KV cache's scratch slot (position 0, greedy; the

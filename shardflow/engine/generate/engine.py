@@ -25,6 +25,12 @@ their state; a request that arrives with generated tokens already (moved from an
 prefilled with ``prompt + output[:-1]`` (recomputing its KV) and continues from its last token.
 ``detach`` and ``adopt`` move requests whose KV stays where it is: between engines that decode
 into views of the same cache memory (adaptive tensor parallelism).
+
+Multi-turn episodes (``Request.keep_kv``): a request whose turn ends keeps its slot ("parked");
+after ``Request.continue_with`` appends an observation, ``submit`` prefills only the tokens after
+``cached_len`` onto the slot's KV (attending over the cached history) and decoding goes on: the
+history is never prefilled again. ``close`` frees a parked request's slot when its episode ends.
+``evict`` and ``detach`` drop parked requests' KV (a later turn then recomputes it).
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from shardflow.engine.generate.decode_weights import decode_weights_layout, drop
 from shardflow.engine.generate.kv_cache import KVCache, bytes_per_slot
 from shardflow.engine.generate.requests import Request
 from shardflow.engine.generate.sampling import SamplingTensors, batch_mode, sample
-from shardflow.engine.generate.steps import decode_logits, prefill_logits
+from shardflow.engine.generate.steps import decode_logits, extend_cache, prefill_logits
 from shardflow.models.transformer import Transformer
 from shardflow.perf.sharing import PROMPT_ROWS
 
@@ -57,7 +63,8 @@ _PROMPT_GROUPS = itertools.count()
 class EngineConfig:
     max_seq_len: int | None = None  # prompt + completion tokens; None: the model's max_position_embeddings
     max_batch_size: int = 256  # most requests decoded at once (KV slots)
-    kv_cache_bytes: int | None = None  # this rank's KV budget; None: max_batch_size slots (CPU), 90% of free memory (GPU)
+    # this rank's KV budget; None: max_batch_size slots (CPU), 90% of free memory (GPU)
+    kv_cache_bytes: int | None = None
     max_prefill_tokens: int = 16384  # padded tokens in one prefill forward
     attention: str = "auto"  # decode attention: "torch", "triton", or "auto" (triton on CUDA)
     cuda_graphs: bool | None = None  # capture decode steps as CUDA graphs; None: on CUDA
@@ -68,7 +75,8 @@ class EngineConfig:
     # run, not timed at run time, so that a seed gives the same tokens in every run.
     blas_library: str | None = None
     # Decode products read their weights stored transposed ([in, out]): other cuBLAS kernels
-    # (BENCHMARKS.md), for a copy of o, down and the LM head (memory the KV cache then lacks). On CPU only this option makes decode copies at all (to test the path).
+    # (BENCHMARKS.md), for a copy of o, down and the LM head (memory the KV cache then lacks). On
+    # CPU only this option makes decode copies at all (to test the path).
     transposed_weights: bool = False
     # Decode attention reads the prompt of a prefill's samples once for all of them (GRPO groups):
     # fewer KV bytes by the prompt's share of each context (Triton attention only; see
@@ -140,6 +148,7 @@ class GenerationEngine:
         self.stats = GenerationStats()
         self.waiting: deque[list[Request]] = deque()  # prefill units waiting for free slots
         self.active: list[Request] = []  # requests holding a slot, in admission order
+        self.parked: dict[int, Request] = {}  # episodes between turns, holding their slots (by request id)
         self._launched: _Launched | None = None  # the decode step whose tokens are not read yet
         self._last_read = 0.0  # when the last step's tokens were read (perf_counter)
         self.cache: KVCache | None = None
@@ -152,7 +161,7 @@ class GenerationEngine:
 
     def reset_cache(self, *, max_seq_len: int | None = None, kv_cache_bytes: int | None = None) -> None:
         """(Re)allocate the KV cache while no request holds a slot; drops captured graphs."""
-        if self.active or self._launched:
+        if self.active or self._launched or self.parked:
             raise RuntimeError("cannot reallocate the KV cache while requests hold slots; evict them first")
         cfg, shard, config = self.model.cfg, self.model.shard, self.config
         self.max_seq_len = max_seq_len or config.max_seq_len or cfg.max_position_embeddings
@@ -171,7 +180,7 @@ class GenerationEngine:
     def use_cache(self, cache: KVCache) -> None:
         """Decode into ``cache`` (e.g. a regrouped view of another engine's cache) while no request
         holds a slot; every slot of it must be free. Drops captured graphs."""
-        if self.active or self.waiting or self._launched:
+        if self.active or self.waiting or self._launched or self.parked:
             raise RuntimeError("cannot switch the KV cache while requests are queued or hold slots")
         layers, shard = tuple(self.model.model.layers.keys()), self.model.shard
         first = next(iter(cache.k.values()))
@@ -203,6 +212,9 @@ class GenerationEngine:
         makes new ones)."""
         if self._launched is not None:
             raise RuntimeError("cannot release the KV cache with a decode step in flight; flush or evict first")
+        if self.parked:
+            raise RuntimeError(f"cannot release the KV cache while {len(self.parked)} episodes hold slots "
+                               "between turns; close them first")
         self.cache = self.decode = None
         drop_decode_weights(self.model)
         # The memory stays with torch's allocator (no empty_cache): the calls that follow in this
@@ -232,7 +244,8 @@ class GenerationEngine:
 
     # ----- one decode step (what a CUDA graph captures) -------------------------------------------
 
-    def _step(self, ints: torch.Tensor, floats: torch.Tensor, key: tuple[str, bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, ints: torch.Tensor, floats: torch.Tensor,
+              key: tuple[str, bool]) -> tuple[torch.Tensor, torch.Tensor]:
         """ints [7,B] (tokens, positions, slots, top_k, seeds, prompt groups, shared prompt lengths),
         floats [2,B] (temperature, top_p); ``key``: see ``_graph_key``."""
         mode, shares = key
@@ -256,16 +269,30 @@ class GenerationEngine:
         return requests
 
     def submit(self, requests: Sequence[Request]) -> None:
-        """Queue requests (fresh, or carrying generated tokens from elsewhere) for admission."""
+        """Queue requests (fresh, carrying generated tokens from elsewhere, or episodes parked here
+        whose next turn begins) for admission."""
         for r in requests:
-            if r.done or r.slot is not None:
+            resumed = r.slot is not None and self.parked.get(r.request_id) is r
+            if r.done or (r.slot is not None and not resumed):
                 raise ValueError(f"request {r.request_id} is already finished or admitted elsewhere")
             if not r.prompt_ids:
                 raise ValueError(f"request {r.request_id} has an empty prompt")
             if r.num_tokens >= self.max_seq_len:
                 raise ValueError(f"request {r.request_id}: {r.num_tokens} tokens leave no room to generate "
                                  f"under max_seq_len={self.max_seq_len}")
-        self.waiting.extend(self._prefill_units(requests))
+        resumed = [r for r in requests if self.parked.pop(r.request_id, None) is not None]
+        # resumed episodes need no new slot: ahead of the queue, so that fresh requests waiting for
+        # the slots they hold do not block them
+        self.waiting.extendleft([[r] for r in reversed(resumed)])
+        self.waiting.extend(self._prefill_units([r for r in requests if r not in resumed]))
+
+    def close(self, requests: Sequence[Request]) -> None:
+        """Free the slots of parked episodes that are over."""
+        for r in requests:
+            if self.parked.pop(r.request_id, None) is not r:
+                raise ValueError(f"request {r.request_id} is not parked in this engine")
+            self.cache.release(r.slot)
+            r.drop_kv()
 
     @property
     def in_flight(self) -> int:
@@ -275,6 +302,13 @@ class GenerationEngine:
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.active or self._launched)
+
+    @property
+    def stalled(self) -> bool:
+        """Nothing can run until a parked episode resumes or closes: no active request, and the
+        next waiting one needs slots that parked episodes hold."""
+        return (not self.active and not self._launched and bool(self.waiting)
+                and _slots_needed(self.waiting[0]) > self.cache.num_free)
 
     @torch.no_grad()
     def step(self, on_finish: Callable[[Request], None] | None = None) -> None:
@@ -293,12 +327,13 @@ class GenerationEngine:
     @torch.no_grad()
     def prefill_waiting(self, on_finish: Callable[[Request], None] | None = None) -> None:
         """Admit waiting requests into free slots and prefill them (the first half of ``step``)."""
-        if self.waiting and len(self.waiting[0]) <= self.cache.num_free:
+        if self.waiting and _slots_needed(self.waiting[0]) <= self.cache.num_free:
             self.flush(on_finish)  # the next decode step takes the admitted rows from the host
         admitted = []
-        while self.waiting and len(self.waiting[0]) <= self.cache.num_free:
+        while self.waiting and _slots_needed(self.waiting[0]) <= self.cache.num_free:
             unit = self.waiting.popleft()
-            for r, slot in zip(unit, self.cache.allocate(len(unit))):
+            fresh = [r for r in unit if r.slot is None]  # a resumed episode keeps its slot
+            for r, slot in zip(fresh, self.cache.allocate(len(fresh))):
                 r.slot = slot
             admitted.append(unit)
         assert admitted or self.active or not self.waiting, "a prefill unit larger than the cache"
@@ -313,11 +348,13 @@ class GenerationEngine:
         so submitting them to any engine recomputes it and continues where they stopped. The step
         in flight is read first (``on_finish`` sees the requests it finishes)."""
         self.flush(on_finish)
-        requests = self.active + [r for unit in self.waiting for r in unit]
-        for r in self.active:
-            self.cache.release(r.slot)
-            r.drop_kv()
-        self.active, self.waiting = [], deque()
+        waiting = [r for unit in self.waiting for r in unit]
+        for r in [*self.active, *self.parked.values(), *waiting]:
+            if r.slot is not None:  # waiting: a resumed episode keeps its slot until admitted
+                self.cache.release(r.slot)
+                r.drop_kv()
+        requests = self.active + waiting
+        self.active, self.waiting, self.parked = [], deque(), {}
         return requests
 
     def detach(self, on_finish: Callable[[Request], None] | None = None) -> tuple[list[Request], list[Request]]:
@@ -327,7 +364,9 @@ class GenerationEngine:
         ``adopt`` them. The step in flight is read first (``on_finish`` sees what it finishes)."""
         self.flush(on_finish)
         active, waiting = self.active, [r for unit in self.waiting for r in unit]
-        self.active, self.waiting = [], deque()
+        for r in [*self.parked.values(), *waiting]:  # parked and resumed episodes: their KV is not carried
+            r.drop_kv()
+        self.active, self.waiting, self.parked = [], deque(), {}
         self.cache.release_all()
         return active, waiting
 
@@ -378,17 +417,46 @@ class GenerationEngine:
 
     def _prefill(self, units: list[list[Request]]) -> None:
         start = time.perf_counter()
+        fresh = [u for u in units if u[0].cached_len == 0]
+        resumed = [u[0] for u in units if u[0].cached_len > 0]
         chunk: list[list[Request]] = []
-        for unit in units:
+        for unit in fresh:
             width = max(len(_prefill_ids(u[0])) for u in chunk + [unit])
             if chunk and width * (len(chunk) + 1) > self.config.max_prefill_tokens:
                 self._prefill_chunk(chunk)
                 chunk = []
             chunk.append(unit)
-        self._prefill_chunk(chunk)
+        if chunk:
+            self._prefill_chunk(chunk)
+        rows: list[Request] = []
+        for r in resumed:  # a chunk's cost: its rows x the longest history they attend over
+            span = max(x.num_tokens for x in rows + [r])
+            if rows and span * (len(rows) + 1) > max(self.config.max_prefill_tokens, span):
+                self._extend_chunk(rows)
+                rows = []
+            rows.append(r)
+        if rows:
+            self._extend_chunk(rows)
         self.stats.prefill_seconds += time.perf_counter() - start
 
+    def _extend_chunk(self, requests: list[Request]) -> None:
+        """Prefill each request's tokens after ``cached_len`` onto its slot's KV (a resumed episode)."""
+        seqs = [_prefill_ids(r) for r in requests]
+        width = max(len(x) for x in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, x in enumerate(seqs):
+            ids[i, : len(x)] = torch.tensor(x)
+        dev = self.device
+        starts = torch.tensor([r.cached_len for r in requests], device=dev)
+        lengths = torch.tensor([len(x) for x in seqs], device=dev)
+        slots = torch.tensor([r.slot for r in requests], device=dev)
+        extend_cache(self.model, self.cache, ids.to(dev), starts, lengths, slots)
+        self.stats.prefill_tokens += int(lengths.sum())
+        for r, x in zip(requests, seqs):
+            r.cached_len += len(x)
+
     def _prefill_chunk(self, units: list[list[Request]]) -> None:
+        """Prefill fresh (or recomputed) requests from their first token."""
         seqs = [_prefill_ids(u[0]) for u in units]
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -496,16 +564,25 @@ class GenerationEngine:
             if not r.done:
                 still.append(r)
                 continue
-            self.cache.release(r.slot)
-            r.drop_kv()
+            if r.keep_kv:  # an episode's turn: the slot waits for its next one, or for ``close``
+                self.parked[r.request_id] = r
+            else:
+                self.cache.release(r.slot)
+                r.drop_kv()
             if on_finish is not None:
                 on_finish(r)
         self.active = still
 
 
 def _prefill_ids(r: Request) -> list[int]:
-    """The tokens whose KV a request's slot needs before its next decode step."""
-    return r.prompt_ids + r.output_ids[:-1]
+    """The tokens whose KV a request's slot needs before its next decode step: all but the last
+    (which that step feeds), from ``cached_len`` on."""
+    tokens = r.prompt_ids + r.output_ids[:-1]
+    return tokens[r.cached_len:]
+
+
+def _slots_needed(unit: list[Request]) -> int:
+    return sum(r.slot is None for r in unit)
 
 
 def _step_inputs(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,15 +52,17 @@ def generate_replicated(engine: GenerationEngine, layout: Layout, world: World, 
 
 
 def result_states(requests: Sequence[Request]) -> list[tuple]:
-    """What a replica sends of its finished requests: (id, tokens, log-probabilities, finish reason)."""
-    return [(r.request_id, r.output_ids, r.output_logprobs, r.finish_reason) for r in requests]
+    """What a replica sends of its finished requests: (id, tokens, log-probabilities, finish reason,
+    the spans of an episode's observations)."""
+    return [(r.request_id, r.output_ids, r.output_logprobs, r.finish_reason, r.observation_spans) for r in requests]
 
 
 def fill_results(requests: Sequence[Request], parts: Sequence[list[tuple]]) -> list[Request]:
     """Fill ``requests`` from the replicas' ``result_states``; returns them sorted by id."""
     by_id = {r.request_id: r for r in requests}
     for part in parts:
-        for request_id, output_ids, logprobs, finish_reason in part:
+        for request_id, output_ids, logprobs, finish_reason, spans in part:
             r = by_id[request_id]
             r.output_ids, r.output_logprobs, r.finish_reason = output_ids, logprobs, finish_reason
+            r.observation_spans = spans
     return sorted(requests, key=lambda r: r.request_id)

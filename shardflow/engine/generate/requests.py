@@ -5,6 +5,11 @@ their log-probabilities, its sampling parameters and seed, and where its KV cach
 of one engine's cache, holding ``cached_len`` positions). Adaptive TP moves requests between
 replicas by handing this state over and either migrating the slot's KV or recomputing it with a
 prefill of ``prompt_ids + output_ids[:-1]``.
+
+A multi-turn episode is one request over several turns: when a turn ends, ``continue_with``
+appends the observation's tokens to ``output_ids`` (spans in ``observation_spans``, log-probability
+0, out of the loss) and the next turn decodes after them; ``max_new_tokens`` bounds each turn,
+``max_output`` the whole episode.
 """
 
 from __future__ import annotations
@@ -64,6 +69,13 @@ class Request:
     # attention may then read the prompt from one of them (``EngineConfig.share_prompt_kv``).
     prompt_group: int = -1
     shared_prompt: int = 0
+    # Multi-turn episodes: [start, end) of each observation in output_ids; where the current turn's
+    # tokens begin; the episode's cap on output tokens (None: max_new_tokens); and whether the
+    # engine keeps the slot's KV when a turn ends (``GenerationEngine.close`` frees it).
+    observation_spans: list[tuple[int, int]] = field(default_factory=list)
+    turn_start: int = 0
+    max_output: int | None = None
+    keep_kv: bool = False
 
     def drop_kv(self) -> None:
         """The request no longer holds KV anywhere (its slot was freed or is being recomputed)."""
@@ -82,17 +94,52 @@ class Request:
     def ends_by_length(self, max_seq_len: int, *, pending: int = 0) -> bool:
         """Whether the request is at a length limit once ``pending`` more tokens are appended
         (the rule ``append`` applies, known before the tokens are)."""
-        return (len(self.output_ids) + pending >= self.params.max_new_tokens
-                or self.num_tokens + pending >= max_seq_len)
+        return self._at_length_limit(pending) or self.num_tokens + pending >= max_seq_len
+
+    def _at_length_limit(self, pending: int = 0) -> bool:
+        output = len(self.output_ids) + pending
+        return (output - self.turn_start >= self.params.max_new_tokens
+                or (self.max_output is not None and output >= self.max_output))
 
     def append(self, token: int, logprob: float, *, stop_ids: frozenset[int], max_seq_len: int) -> None:
-        """Record a generated token and decide whether the request ends with it."""
+        """Record a generated token and decide whether the request (or its turn) ends with it."""
         self.output_ids.append(token)
         self.output_logprobs.append(logprob)
         if token in stop_ids:
             self.finish_reason = STOP
         elif self.ends_by_length(max_seq_len):
-            self.finish_reason = LENGTH if len(self.output_ids) >= self.params.max_new_tokens else CONTEXT
+            self.finish_reason = LENGTH if self._at_length_limit() else CONTEXT
+
+    def continue_with(self, observation_ids: Sequence[int]) -> None:
+        """Start the next turn of an episode whose turn ended: the observation's tokens join the
+        output (out of the loss), and decoding goes on after them. The slot's KV, if kept, stays
+        valid: only the tokens after ``cached_len`` are prefilled."""
+        if not self.done:
+            raise ValueError(f"request {self.request_id} is still generating its turn")
+        if len(observation_ids) == 0:
+            raise ValueError(f"request {self.request_id}: an observation must have at least one token")
+        start = len(self.output_ids)
+        self.output_ids.extend(int(t) for t in observation_ids)
+        self.output_logprobs.extend([0.0] * len(observation_ids))
+        self.observation_spans.append((start, len(self.output_ids)))
+        self.turn_start, self.finish_reason = len(self.output_ids), None
+
+    @property
+    def turns(self) -> int:
+        """The model's turns so far (the current one included)."""
+        return len(self.observation_spans) + 1
+
+    @property
+    def model_tokens(self) -> int:
+        """Output tokens the model generated (observations excluded)."""
+        return len(self.output_ids) - sum(end - start for start, end in self.observation_spans)
+
+    def model_mask(self) -> list[float]:
+        """[len(output_ids)] 1.0 on the model's tokens, 0.0 on observations'."""
+        mask = [1.0] * len(self.output_ids)
+        for start, end in self.observation_spans:
+            mask[start:end] = [0.0] * (end - start)
+        return mask
 
 
 def derive_seed(base: int, *keys: int) -> int:
@@ -125,7 +172,8 @@ def make_requests(prompts: Sequence[Sequence[int]], params: SamplingParams | Seq
 
 def to_sequence_batch(requests: Sequence[Request]) -> SequenceBatch:
     """Finished requests as the RL batch: whole sequences (prompt + completion) in
-    ``input_ids``, ``loss_mask`` 1.0 on completion tokens, and ``logprobs`` aligned to the token
+    ``input_ids``, ``loss_mask`` 1.0 on completion tokens the model generated (not on an
+    episode's observations), and ``logprobs`` aligned to the token
     they are about (``logprobs[t] = log p(ids[t] | ids[:t])``, 0 on prompt tokens);
     ``prompt_lengths`` per sequence, ``finish_reason`` in meta; sample ids are the request ids."""
     if any(not r.done for r in requests):
@@ -138,6 +186,8 @@ def to_sequence_batch(requests: Sequence[Request]) -> SequenceBatch:
                             dtype=torch.float32)
     parts = torch.stack([prompt, output], 1).reshape(-1)  # prompt, completion, prompt, ...
     mask = torch.tensor([0.0, 1.0]).repeat(len(requests)).repeat_interleave(parts)
+    if any(r.observation_spans for r in requests):  # episodes: observations are not the model's to learn
+        mask = torch.tensor([x for r in requests for x in (*[0.0] * len(r.prompt_ids), *r.model_mask())])
     return SequenceBatch(torch.tensor([r.request_id for r in requests], dtype=torch.long), prompt + output,
                          {"input_ids": ids, "loss_mask": mask, "logprobs": logprobs},
                          {"prompt_lengths": prompt}, {"finish_reason": [r.finish_reason for r in requests]})

@@ -3,6 +3,9 @@
 - ``prefill_logits``: right-padded prompts (or prompt + generated tokens, to recompute a moved
   request's cache) in one forward; keys and values of every position go into the requests' slots,
   attention is plain causal attention over the fresh keys.
+- ``extend_cache``: the next tokens of requests whose slots already hold a history (an episode's
+  observation after its turn): their keys and values go into the slots after the history, and
+  they attend over history and themselves.
 - ``decode_logits``: one new token per request; its key and value go into the slot at its
   position, then it attends over the slot's valid positions.
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from shardflow.engine.generate.kv_cache import KVCache
 from shardflow.models.transformer import Transformer, causal_attention
@@ -42,6 +46,37 @@ def prefill_logits(model: Transformer, cache: KVCache, ids: torch.Tensor, length
     hidden = model(ids, positions, attend)  # [G,T,H]
     last = hidden[torch.arange(G, device=ids.device), lengths - 1]  # [G,H]
     return model.logits(last)
+
+
+def extend_cache(model: Transformer, cache: KVCache, ids: torch.Tensor, starts: torch.Tensor,
+                 lengths: torch.Tensor, slots: torch.Tensor) -> None:
+    """ids [G,T] right-padded: row g's ``lengths[g]`` tokens at positions ``starts[g]`` on, after
+    the ``starts[g]`` positions slot ``slots[g]`` holds. Padding writes into the scratch slot."""
+    G, T = ids.shape
+    t = torch.arange(T, device=ids.device)
+    real = t[None, :] < lengths[:, None]  # [G,T]
+    positions = starts[:, None] + t[None, :]
+    rows = torch.where(real, slots[:, None], cache.scratch_slot)
+    at = torch.where(real, positions, t[None, :])
+    span = int((starts + lengths).max())
+    p = torch.arange(span, device=ids.device)
+    ends = (starts + lengths)[:, None, None]
+    windows = model.cfg.sliding_windows
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # k/v [G,K,T,d] -> slot rows; then q [G,H,T,d] over the slot's positions [0, start + length)
+        k_cache, v_cache = cache.k[layer], cache.v[layer]
+        k_cache[rows, :, at] = k.transpose(1, 2)
+        v_cache[rows, :, at] = v.transpose(1, 2)
+        keys, values = k_cache[slots, :, :span], v_cache[slots, :, :span]  # [G,K,span,d]
+        seen = (p[None, None, :] <= positions[:, :, None]) & (p[None, None, :] < ends)
+        if windows[layer] is not None:
+            seen &= p[None, None, :] > positions[:, :, None] - windows[layer]
+        seen |= ~real[:, :, None] & (p == 0)  # a padding query sees something: no NaN rows
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=seen[:, None],
+                                              enable_gqa=q.shape[1] != keys.shape[1])
+
+    model(ids, positions, attend)
 
 
 def decode_logits(model: Transformer, cache: KVCache, attention: DecodeAttention, tokens: torch.Tensor,
