@@ -1,5 +1,6 @@
-"""Write the example task shipped with shardflow: ``shardflow/examples/data/arithmetic.jsonl``
-(every ``a+b=`` with 0 <= a, b <= 5 and its answer) and the character tokenizer files next to it.
+"""Write the example tasks shipped with shardflow: ``shardflow/examples/data/arithmetic.jsonl``
+(every ``a+b=`` with 0 <= a, b <= 5 and its answer), ``arithmetic_tools.jsonl`` (the two-digit
+sums of the calculator example) and the character tokenizer files next to them.
 
     python examples/make_task.py [--out DIR]
 """
@@ -9,15 +10,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from shardflow.examples.arithmetic import DATA_DIR, problems, write_task
+from shardflow.examples import arithmetic, arithmetic_tools
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DATA_DIR, help="directory to write (default: the package's)")
+    parser.add_argument("--out", type=Path, default=arithmetic.DATA_DIR,
+                        help="directory to write (default: the package's)")
     args = parser.parse_args()
-    write_task(args.out)
-    print(f"wrote {len(problems())} problems and the tokenizer to {args.out}")
+    arithmetic.write_task(args.out)
+    arithmetic_tools.write_task(args.out)
+    print(f"wrote {len(arithmetic.problems())} + {len(arithmetic_tools.problems())} problems and the tokenizer "
+          f"to {args.out}")
 
 
 if __name__ == "__main__":

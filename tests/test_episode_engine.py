@@ -13,6 +13,7 @@ from shardflow.engine.generate.replicas import generate_replicated
 from shardflow.engine.generate.requests import SamplingParams, make_requests, to_sequence_batch
 from shardflow.models.checkpoint import load_model
 from shardflow.parallel.layout import Layout
+from shardflow.rl.losses import ActorLoss
 
 TURNS, TURN_TOKENS = 3, 6
 LOGPROB_ATOL = 1e-4
@@ -108,3 +109,21 @@ def test_episodes_under_tensor_and_data_parallel_layouts(pool, checkpoints, layo
     for r, (output, logprobs, spans) in zip(requests, results[0]):
         r.output_ids, r.output_logprobs, r.observation_spans, r.finish_reason = output, logprobs, spans, "stop"
     hf_check(path, requests)
+
+
+def test_observation_tokens_get_no_gradient(checkpoints):
+    """An episode's rollout trains on the model's tokens only: the loss's gradient by each
+    observation token's log-probability is exactly zero, by every token of a turn it is not."""
+    path = checkpoints.get("episode_llama", "llama")
+    engine = GenerationEngine(local_model(path), EngineConfig(max_batch_size=4, max_seq_len=96), eos_token_ids=(2,))
+    done = run_episodes(engine, make_requests(prompts()[:2], SamplingParams(max_new_tokens=TURN_TOKENS), 2), 128)
+    batch = to_sequence_batch(done)
+    batch = batch.update({"advantages": torch.ones(batch.num_tokens)})
+    new = (batch.token_fields["logprobs"] - 0.01).requires_grad_()
+    loss_fn = ActorLoss(clip_low=0.2)
+    loss, _ = loss_fn({"logprobs": new}, batch, loss_fn.normalizer(batch))
+    loss.backward()
+    observed = torch.cat([torch.tensor([0.0] * len(r.prompt_ids) + [1.0 - m for m in r.model_mask()]) for r in done])
+    assert observed.sum() > 0
+    assert (new.grad[observed > 0] == 0).all()
+    assert (new.grad[batch.token_fields["loss_mask"] > 0] != 0).all()

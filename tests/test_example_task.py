@@ -11,12 +11,13 @@ import torch
 from shardflow.config.experiment import DataConfig
 from shardflow.config.load import load_config
 from shardflow.data.prompts import load_prompts
-from shardflow.examples import arithmetic
+from shardflow.examples import arithmetic, arithmetic_tools
 from shardflow.rl.rewards.math_answer import math_score
 
 
 def test_shipped_files_are_what_the_generator_writes(tmp_path):
     arithmetic.write_task(tmp_path)
+    arithmetic_tools.write_task(tmp_path)
     shipped = sorted(p.relative_to(arithmetic.DATA_DIR) for p in arithmetic.DATA_DIR.rglob("*") if p.is_file())
     written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert shipped == written
@@ -50,8 +51,9 @@ def test_start_checkpoint_and_config(tmp_path):
 
     def answer_nll(path) -> float:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        examples = [(list(p.ids), tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [2]) for p in prompts]
-        ids, targets = arithmetic._padded(examples, tokenizer.pad_token_id)
+        answers = [tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [2] for p in prompts]
+        examples = [(list(p.ids) + a, [0] * len(p.ids) + [1] * len(a)) for p, a in zip(prompts, answers)]
+        ids, targets = arithmetic.padded(examples, tokenizer.pad_token_id)
         with torch.no_grad():
             logits = model(ids).logits[:, :-1]
         return torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets[:, 1:], ignore_index=-100).item()

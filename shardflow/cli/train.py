@@ -1,7 +1,8 @@
 """``shardflow train [CONFIG.yaml] [key.sub=value ...]``: an RL run per an execution plan.
 
-Without a config file it runs the shipped example: GRPO on a small arithmetic task with a tiny
-model on 4 CPU ranks, each call in its own layout. Everything that can be checked before the ranks
+Without a config file it runs a shipped example (``--example``): GRPO on a small arithmetic task
+with a tiny model on 4 CPU ranks, each call in its own layout; ``tools``: the same over
+multi-turn episodes with a calculator tool. Everything that can be checked before the ranks
 start is checked first (config keys and types, model configs, the plan, the dataset, the reward).
 """
 
@@ -13,7 +14,7 @@ import logging
 from shardflow.config.experiment import ExperimentConfig
 from shardflow.config.load import load_config, merge, parse_override
 from shardflow.config.schema import describe
-from shardflow.examples.arithmetic import example_config
+from shardflow.examples import arithmetic, arithmetic_tools
 from shardflow.parallel.launch import launch
 from shardflow.plan.execution_plan import PLAN_FILE_FORMAT
 from shardflow.rl.advantages import ADVANTAGES
@@ -26,11 +27,17 @@ from shardflow.runtime.validate import prepare
 
 logger = logging.getLogger(__name__)
 
+# the shipped examples: their config builders and default run names
+EXAMPLES = {"arithmetic": arithmetic.example_config, "tools": arithmetic_tools.example_config}
+EXAMPLE_NAMES = {"arithmetic": "arithmetic", "tools": "arithmetic_tools"}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("args", nargs="*", metavar="CONFIG_OR_OVERRIDE",
                    help="an optional YAML config file, then key.sub=value overrides")
     p.add_argument("--help-config", action="store_true", help="list every config key with its default and help")
+    p.add_argument("--example", choices=sorted(EXAMPLES), default="arithmetic",
+                   help="the shipped example to run without a config file (default: arithmetic)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -48,7 +55,7 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"expected at most one config file, got {files}")
     base = None
     if not files:
-        base = example_config(*_example_settings(overrides))
+        base = EXAMPLES[args.example](*_example_settings(overrides, args.example))
     config = load_config(files[0] if files else None, overrides, base=base)
     train(config)
 
@@ -75,12 +82,12 @@ def train(config: ExperimentConfig) -> None:
                 f"logs in {out / 'logs'}")
 
 
-def _example_settings(overrides: list[str]) -> tuple[str, str]:
+def _example_settings(overrides: list[str], example: str) -> tuple[str, str]:
     """Where the example's starting checkpoints go (its run directory, overridable) and which
     algorithm it runs (``algorithm.name=...`` picks any)."""
     raw: dict = {}
     for item in overrides:
         raw = merge(raw, parse_override(item))
     run = raw.get("run", {})
-    name = run.get("name", "arithmetic")
+    name = run.get("name", EXAMPLE_NAMES[example])
     return str(run.get("out_dir", "runs/{name}")).format(name=name), str(raw.get("algorithm", {}).get("name", "grpo"))

@@ -112,14 +112,60 @@ class GenerationConfig(Settings):
     adaptive: AdaptiveConfig = section(AdaptiveConfig, "adaptive tensor parallelism")
 
 
+REWARD_HELP = ("math (verify the answer), function (module:function), http (reward.url), model "
+               "(models.reward), weighted (the sum of reward.terms) or none (an environment's rewards alone)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardTermConfig(Settings):
+    """One term of a weighted reward: a function of the texts, scored in the worker pool."""
+
+    kind: str = setting("math", "math, function or http (as reward.kind)", choices=("math", "function", "http"))
+    function: str = setting("", "for kind=function: 'package.module:function' or 'file.py:function'",
+                            path="function")
+    answer_pattern: str = setting("", "for kind=math: optional regex whose first group holds the answer")
+    url: str = setting("", "for kind=http: the address the texts are posted to")
+    weight: float = setting(1.0, "the term's weight in the sum")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RewardConfig(Settings):
-    kind: str = setting("math", "math (verify the answer), function (module:function) or model (models.reward)")
+    kind: str = setting("math", REWARD_HELP)
     function: str = setting("", "for kind=function: 'package.module:function' or 'file.py:function' (relative: "
                                 "to the config file), called with (prompts, responses, answers)", path="function")
     answer_pattern: str = setting("", "for kind=math: optional regex whose first group holds the answer")
-    error_value: float = setting(0.0, "the reward of a response whose reward function raised (counted as "
-                                      "reward/errors; the run goes on)")
+    url: str = setting("", "for kind=http: a server of yours that answers a POST of {prompts, responses, answers} "
+                           "(JSON) with {rewards: [...]}")
+    terms: dict[str, RewardTermConfig] = setting({}, "for kind=weighted: named terms, each a reward.kind with its "
+                                                     "weight (reward.terms.NAME.kind, .weight, ...)")
+    error_value: float = setting(0.0, "the reward of a response whose reward function raised or timed out (counted "
+                                      "as reward/errors; the run goes on)")
+    timeout_s: float = setting(30.0, "longest a reward function may take for one response (in the worker pool)",
+                               gt=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig(Settings):
+    """Multi-turn episodes (``rollout.env``) and the worker pool where environments and reward
+    functions run beside decoding."""
+
+    env: str = setting("", "a multi-turn environment: 'module:Class' or 'file.py:Class', made per episode with "
+                           "the prompt row and stepped with each model turn (empty: one turn, no environment)",
+                       path="function")
+    tools: list = setting([], "tools for the built-in tool environment (rollout.env=tools): built-in names "
+                              "(calculator, python) or 'module:function'", path="function")
+    tool_format: str = setting("hermes", "how the model writes tool calls", choices=("hermes",))
+    max_turns: int = setting(4, "most model turns per episode", gt=0)
+    max_tokens_per_episode: int = setting(1024, "most tokens after the prompt per episode, observations included",
+                                          gt=0)
+    observation_role: str = setting("tool", "the chat role of an observation's turn")
+    episode_reward: str = setting("sum", "an episode's environment reward: the sum over its turns or the last one",
+                                  choices=("sum", "last"))
+    workers: int = setting(1, "worker processes per holder of rollouts for environments and reward functions "
+                              "(0: rewards scored after generation in the rank itself; environments need >= 1)",
+                           ge=0)
+    step_timeout_s: float = setting(30.0, "longest an environment may take to make or step an episode (one that "
+                                          "raises or times out ends it with reward.error_value, counted)", gt=0)
 
 
 PRESET = "(default: the algorithm's)"
@@ -245,6 +291,7 @@ class ExperimentConfig(Settings):
     data: DataConfig = section(DataConfig, "prompt dataset")
     generation: GenerationConfig = section(GenerationConfig, "sampling")
     reward: RewardConfig = section(RewardConfig, "reward")
+    rollout: RolloutConfig = section(RolloutConfig, "multi-turn episodes, tools and the worker pool")
     plan: str = setting("symmetric", "execution plan: 'symmetric', or a plan YAML file (relative: to the config "
                                      "file)", path="plan")
     run: RunConfig = section(RunConfig, "run control")

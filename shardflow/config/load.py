@@ -75,6 +75,8 @@ def resolve_paths(settings: Any, base: Path | None) -> Any:
             changes[f.name] = {k: resolve_paths(v, base) for k, v in value.items()}
         elif f.metadata.get("path") and isinstance(value, str):
             changes[f.name] = _resolved(value, f.metadata["path"], base)
+        elif f.metadata.get("path") and isinstance(value, list):
+            changes[f.name] = [_resolved(v, f.metadata["path"], base) if isinstance(v, str) else v for v in value]
     return dataclasses.replace(settings, **changes)
 
 

@@ -29,19 +29,22 @@ class Prompt:
     # offline rows: the token ids of each completion the row gives (SFT's response; DPO's chosen,
     # then rejected), each ending with the end-of-sequence token
     completions: tuple[tuple[int, ...], ...] = ()
+    row: dict | None = None  # the whole row, for a multi-turn environment (``keep_rows``)
 
 
 def load_prompts(config: DataConfig, tokenizer, *, require_answer: bool = True,
-                 completions: tuple[str, ...] = ()) -> list[Prompt]:
+                 completions: tuple[str, ...] = (), tools: list[dict] | None = None,
+                 keep_rows: bool = False) -> list[Prompt]:
     """Read, check and tokenize every prompt of ``config.path``; with ``completions`` (data keys
-    such as ``data.response_key``), each row's completions under those fields too."""
+    such as ``data.response_key``), each row's completions under those fields too. ``tools``:
+    the JSON schemas the chat template renders into each prompt; ``keep_rows``: keep each row."""
     path = Path(config.path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt dataset {path} does not exist")
     if config.chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"data.chat_template is on but the tokenizer has no chat template ({path}); "
                          "set data.chat_template=false to use prompts as plain text")
-    prompts = [_prompt(row, where, i, config, tokenizer, require_answer, completions)
+    prompts = [_prompt(row, where, i, config, tokenizer, require_answer, completions, tools, keep_rows)
                for i, (where, row) in enumerate(_rows(path))]
     if not prompts:
         raise ValueError(f"prompt dataset {path} has no rows")
@@ -70,7 +73,7 @@ def _rows(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _prompt(row: Any, where: str, index: int, config: DataConfig, tokenizer, require_answer: bool,
-            completions: tuple[str, ...] = ()) -> Prompt:
+            completions: tuple[str, ...] = (), tools: list[dict] | None = None, keep_row: bool = False) -> Prompt:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be an object with a prompt, got {type(row).__name__}")
     messages = row.get(config.messages_key)
@@ -90,7 +93,7 @@ def _prompt(row: Any, where: str, index: int, config: DataConfig, tokenizer, req
         messages = [{"role": "user", "content": prompt}] if config.chat_template else None
         text = prompt
     if messages is not None:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
     # the template writes any BOS itself; a plain prompt gets the tokenizer's usual special tokens
     ids = tokenizer(text, add_special_tokens=messages is None)["input_ids"]
     if not ids:
@@ -102,7 +105,8 @@ def _prompt(row: Any, where: str, index: int, config: DataConfig, tokenizer, req
     if require_answer and answer is None:
         raise ValueError(f"{where}: no {config.answer_key!r} field (the reward needs a reference answer)")
     return Prompt(index=index, text=text, ids=tuple(ids), answer=answer,
-                  completions=tuple(_completion(row, where, key, tokenizer) for key in completions))
+                  completions=tuple(_completion(row, where, key, tokenizer) for key in completions),
+                  row=row if keep_row else None)
 
 
 def _completion(row: dict, where: str, key: str, tokenizer) -> tuple[int, ...]:

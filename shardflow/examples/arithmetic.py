@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import yaml
@@ -57,24 +57,37 @@ def write_task(data_dir: Path = DATA_DIR) -> None:
 def make_start_checkpoint(path: str | Path, *, steps: int = WARMUP_STEPS, seed: int = 0) -> Path:
     """A random tiny Llama after ``steps`` supervised steps on the task, written to ``path`` as a
     Hugging Face checkpoint with the tokenizer. Made once: an existing checkpoint is kept."""
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    prompts = load_prompts(DataConfig(path=str(TASK_FILE)), tokenizer)
+    # prompt + answer + EOS, the loss on the answer and EOS only
+    examples = []
+    for p in prompts:
+        answer = tokenizer(str(p.answer), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        examples.append((list(p.ids) + answer, [0] * len(p.ids) + [1] * len(answer)))
+
+    def draw(gen: torch.Generator) -> list[tuple[list[int], list[int]]]:
+        return [examples[i] for i in torch.randint(len(examples), (WARMUP_BATCH,), generator=gen).tolist()]
+
+    return supervised_warmup(path, tokenizer, draw, steps=steps, lr=WARMUP_LR, seed=seed)
+
+
+def supervised_warmup(path: str | Path, tokenizer, draw: Callable[[torch.Generator], list[tuple[list[int], list[int]]]],
+                      *, steps: int, lr: float, seed: int = 0) -> Path:
+    """A random tiny Llama of ``MODEL_SHAPE`` trained for ``steps`` steps on batches ``draw(gen)``
+    of (token ids, 0/1 loss mask), saved to ``path`` with ``tokenizer`` (through a temporary
+    directory, so that a half-made checkpoint is never taken for a made one). An existing
+    checkpoint is kept."""
     path = Path(path)
     if (path / "config.json").is_file():
         return path
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     make_tiny_checkpoint(tmp, "llama", seed=seed, with_tokenizer=False, **MODEL_SHAPE)
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    prompts = load_prompts(DataConfig(path=str(TASK_FILE)), tokenizer)
-    # [len(prompts)] examples: prompt + answer + EOS, the loss on the answer and EOS only
-    examples = [(list(p.ids), tokenizer(str(p.answer), add_special_tokens=False)["input_ids"]
-                 + [tokenizer.eos_token_id]) for p in prompts]
-
     model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        picked = torch.randint(len(examples), (WARMUP_BATCH,), generator=gen).tolist()
-        ids, targets = _padded([examples[i] for i in picked], tokenizer.pad_token_id)  # [B, T] each
+        ids, targets = padded(draw(gen), tokenizer.pad_token_id)  # [B, T] each
         logits = model(ids).logits[:, :-1]  # [B, T-1, vocab]
         loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets[:, 1:], ignore_index=-100)
         optimizer.zero_grad()
@@ -86,15 +99,15 @@ def make_start_checkpoint(path: str | Path, *, steps: int = WARMUP_STEPS, seed: 
     return path
 
 
-def _padded(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids [B, T] and targets [B, T] (-100 except on the answer tokens)."""
-    width = max(len(p) + len(a) for p, a in examples)
+def padded(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, T] and targets [B, T] (-100 except where the mask is 1)."""
+    width = max(len(ids) for ids, _ in examples)
     ids = torch.full((len(examples), width), pad_id)
     targets = torch.full((len(examples), width), -100)
-    for row, (prompt, answer) in enumerate(examples):
-        seq = prompt + answer
+    for row, (seq, mask) in enumerate(examples):
         ids[row, :len(seq)] = torch.tensor(seq)
-        targets[row, len(prompt):len(seq)] = torch.tensor(answer)
+        keep = torch.tensor(mask, dtype=torch.bool)
+        targets[row, :len(seq)] = torch.where(keep, torch.tensor(seq), -100)
     return ids, targets
 
 

@@ -82,7 +82,7 @@ class Run:
         self.sampler = PromptSampler(len(self.prompts), config.algorithm.batch_size, seed=config.run.seed,
                                      shuffle=config.data.shuffle)
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        scored = prepared.algorithm.online and reward_kind(config.reward.kind).build is not None
+        scored = prepared.algorithm.online and reward_kind(config.reward.kind).model is None
         reward_fn = reward_function(config.reward) if scored else None
         self.state = RunState(tokenizer=tokenizer, eos_token_ids=eos + list(prepared.models["actor"].eos_token_ids),
                               reward_fn=reward_fn, kl=KLController.from_config(config.algorithm.kl))
@@ -286,6 +286,14 @@ def informative_groups(world: World, rewards: Held, samples_per_prompt: int) -> 
 
 def train_rank(world: World, prepared: Prepared) -> None:
     run = Run(world, prepared)
+    try:
+        _train(run)
+    finally:
+        run.state.close()
+
+
+def _train(run: "Run") -> None:
+    world = run.world
     config = run.config
     metrics = None
     if world.rank == 0:

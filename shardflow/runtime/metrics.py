@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 CONSOLE_SHORT = (
     ("reward/mean", "reward"), ("reward/std", "±"), ("response_length/mean", "len"), ("actor/kl", "kl"),
     ("reward/errors", "reward errors"), ("actor/nll", "nll"), ("actor/dpo_loss", "dpo loss"),
-    ("actor/dpo_accuracy", "acc"), ("time/iteration", "time"),
+    ("actor/dpo_accuracy", "acc"), ("rollout/turns_mean", "turns"), ("time/iteration", "time"),
 )
 # the full line (--log-level debug) begins with these; the rest follow in sorted order
 CONSOLE_FIRST = (

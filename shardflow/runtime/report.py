@@ -44,6 +44,7 @@ def merge_reports(per_rank: list[dict], graph: Graph, plan, config: ExperimentCo
                          if rank in layout and layout.coord(rank).tp == 0)
             seconds = max((r.metrics.get("generation/seconds", 0.0) for _, r in reports), default=0.0)
             summary["generation/tokens"] = tokens
+            _rollout_work(summary, [r for _, r in reports])
             if seconds > 0:
                 summary["generation/tokens_per_s"] = tokens / seconds
             # where the call's time goes: cache and weight copies, prefill, decode steps
@@ -75,7 +76,42 @@ def merge_reports(per_rank: list[dict], graph: Graph, plan, config: ExperimentCo
     if rollout["response_length"]:
         summary.update(rollout_metrics(rollout["response_length"], rollout["prompt_length"], rollout["reward"],
                                        max_new_tokens=config.generation.max_new_tokens))
+    summary.update(episode_metrics(per_rank))
     summary["_spans"] = [(name, rank, s[0] - t0, s[1] - t0) for name, rank, s in spans]
     summary["_decode"] = {f"{name} @ rank {rank}": r.decode_steps for rank, reports in enumerate(per_rank)
                           for name, r in reports.items() if r.decode_steps}
     return summary
+
+
+def _rollout_work(summary: dict, reports: list) -> None:
+    """Seconds the holders' worker pools spent on environments and rewards, summed over the
+    holders (only they report them), and the share of it hidden behind decoding: what the ranks
+    did not wait for."""
+    for key in sorted({k for r in reports for k in r.metrics if k.startswith(("rollout/", "time/rollout/"))}):
+        summary[key] = summary.get(key, 0.0) + sum(r.metrics.get(key, 0.0) for r in reports)
+    busy = summary.get("time/rollout/environments", 0.0) + summary.get("time/rollout/rewards", 0.0)
+    if busy > 0:
+        summary["time/rollout/hidden_share"] = max(0.0, 1.0 - summary.get("time/rollout/waited", 0.0) / busy)
+
+
+def episode_metrics(per_rank: list[dict]) -> dict[str, float]:
+    """Per-episode facts (turns, tool calls and errors, observation tokens) and each reward term's
+    mean, from the holders' per-sequence lists."""
+    lists: dict[str, list] = {}
+    for reports in per_rank:
+        for r in reports.values():
+            for key, values in r.rollout.items():
+                if key in ("turns", "tool_calls", "tool_errors", "observation_tokens") or key.startswith("reward_term/"):
+                    lists.setdefault(key, []).extend(values)
+    out: dict[str, float] = {}
+    for key, values in lists.items():
+        if not values:
+            continue
+        if key.startswith("reward_term/"):
+            out[f"reward/{key.split('/', 1)[1]}"] = statistics.fmean(values)
+        elif key == "turns":
+            out["rollout/turns_mean"] = statistics.fmean(values)
+            out["rollout/turns_max"] = float(max(values))
+        else:
+            out[f"rollout/{key}"] = float(sum(values))
+    return out

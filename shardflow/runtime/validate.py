@@ -22,9 +22,12 @@ from shardflow.data.prompts import Prompt, load_prompts
 from shardflow.plan.execution_plan import ExecutionPlan, symmetric_plan
 from shardflow.rl.algorithms import algorithm_named
 from shardflow.rl.algorithms.base import Algorithm, check_knobs
+from shardflow.rl.envs import check_env
+from shardflow.rl.envs.tools import load_tools, tool_schema
 from shardflow.rl.graph import Graph, Kind
 from shardflow.rl.rewards import reward_function, reward_kind
 from shardflow.runtime import checkpointing
+from shardflow.runtime.calls.rollouts import env_spec, episode_output_limit
 
 # Which model kind each role needs: a value head for critics and reward models.
 VALUE_ROLES = ("critic", "reward")
@@ -84,7 +87,40 @@ def check_config(config: ExperimentConfig) -> Checked:
                              f"run has {steps} optimizer step(s) and warmup_steps={optim.warmup_steps}")
     if not config.data.path:
         raise ValueError("data.path is required")
+    check_rollout(config, algorithm)
     return Checked(config, algorithm, graph)
+
+
+def check_context(config: ExperimentConfig, actor: ModelConfig) -> None:
+    """A prompt and its longest response (or episode) must fit the actor's context."""
+    output = episode_output_limit(config)
+    limit = "rollout.max_tokens_per_episode" if config.rollout.env else "generation.max_new_tokens"
+    if config.data.max_prompt_tokens + output + 1 > actor.max_position_embeddings:
+        raise ValueError(f"data.max_prompt_tokens ({config.data.max_prompt_tokens}) + {limit} ({output}) exceed "
+                         f"models.actor's context of {actor.max_position_embeddings} positions; lower one of them")
+
+
+def check_rollout(config: ExperimentConfig, algorithm: Algorithm) -> None:
+    """Episodes, the worker pool and the reward kinds that need them."""
+    rollout, reward = config.rollout, config.reward
+    if reward.kind == "none" and not rollout.env:
+        raise ValueError("reward.kind=none leaves the rewards to an environment; set rollout.env")
+    if reward.kind != "weighted" and reward.terms:
+        raise ValueError(f"reward.terms are summed by reward.kind=weighted, not by kind={reward.kind!r}")
+    if reward.kind == "weighted" and not reward.terms:
+        raise ValueError("reward.kind=weighted needs reward.terms (e.g. reward.terms.correct.kind=math)")
+    if not rollout.env:
+        if rollout.tools:
+            raise ValueError("rollout.tools are used by rollout.env=tools; set it (or drop the tools)")
+        return
+    if not algorithm.online:
+        raise ValueError(f"rollout.env is for algorithms that generate; {algorithm.name} learns from data.path")
+    if rollout.workers < 1:
+        raise ValueError("rollout.env runs its environments in worker processes: rollout.workers must be >= 1")
+    if config.generation.adaptive.enabled:
+        raise ValueError("multi-turn episodes (rollout.env) do not yet switch layout mid-decode: set "
+                         "generation.adaptive.enabled=false")
+    check_env(env_spec(config))
 
 
 def resolve_backend(config: ExperimentConfig) -> str:
@@ -134,18 +170,22 @@ def prepare(config: ExperimentConfig) -> Prepared:
     if backend == "nccl" and torch.cuda.device_count() < config.run.devices:
         raise ValueError(f"run.devices={config.run.devices} but this machine has {torch.cuda.device_count()} GPUs")
     plan = check_plan(config, graph, models)
+    if algorithm.online:
+        check_context(config, models["actor"])
     data = Path(config.data.path)
     if not data.is_file():
         raise FileNotFoundError(f"data.path {data} does not exist")
     if data.suffix not in (".jsonl", ".parquet"):
         raise ValueError(f"data.path must be a .jsonl or .parquet file, got {data.name}")
     reward = reward_kind(config.reward.kind)
-    if reward.build is not None and algorithm.online:
+    if reward.model is None and algorithm.online:
         reward_function(config.reward)  # a user's function that cannot be imported fails here, not on the ranks
     tokenizer = AutoTokenizer.from_pretrained(config.models["actor"].path)
     completions = tuple(getattr(config.data, key) for key in algorithm.completions)
-    prompts = load_prompts(config.data, tokenizer, require_answer=algorithm.online and reward.model is None,
-                           completions=completions)
+    tools = [tool_schema(fn) for fn in load_tools(list(config.rollout.tools)).values()]
+    needs_answer = algorithm.online and reward.model is None and config.reward.kind != "none"
+    prompts = load_prompts(config.data, tokenizer, require_answer=needs_answer, completions=completions,
+                           tools=tools, keep_rows=bool(config.rollout.env))
     resume_dir = check_resume(config, graph, plan)
     return Prepared(config, algorithm, graph, models, plan, backend, prompts, resume_dir,
                     checkpointing.iteration_of(resume_dir) if resume_dir is not None else 0)

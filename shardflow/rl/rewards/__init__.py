@@ -1,30 +1,36 @@
 """Reward kinds, one entry each in ``REWARD_KINDS``: what ``reward.kind`` may name.
 
-A kind either builds a reward function of the rollouts (``build(settings)``: it runs where the
-rollouts are held, as the graph's ``reward_fn`` call) or names the model role that scores them
-(``model``: a ``reward_inf`` inference call of that model). Adding a kind is one module with its
-builder plus one entry here.
+A kind either builds a reward function of the texts (``build(settings)``: it runs in the worker
+pool as responses finish, or where the rollouts are held, as the graph's ``reward_fn`` call) or
+names the model role that scores them (``model``: a ``reward_inf`` inference call of that model).
+``weighted`` sums named terms of the function kinds; ``none`` leaves an environment's rewards
+alone. Adding a kind is one module with its builder plus one entry here. Nothing here imports
+torch: the worker processes that score import this package.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
-from shardflow.config.experiment import RewardConfig
+from shardflow.config.experiment import RewardConfig, RewardTermConfig
+from shardflow.rl.rewards.http import http_reward
 from shardflow.rl.rewards.math_answer import math_reward
-from shardflow.rl.rewards.scoring import RewardFn
+from shardflow.rl.rewards.texts import RewardFn
 from shardflow.rl.rewards.user import load_reward_function
+
+Term = RewardConfig | RewardTermConfig  # both carry kind, function, answer_pattern and url
 
 
 @dataclass(frozen=True, kw_only=True)
 class RewardKind:
     summary: str
-    build: Callable[[RewardConfig], RewardFn] | None = None  # a reward function of the rollouts
+    build: Callable[[Term, float], RewardFn] | None = None  # (settings, timeout) -> a reward function of the texts
     model: str | None = None  # or the model role that scores them
+    term: bool = False  # may be a term of ``weighted``
 
 
-def _function(config: RewardConfig) -> RewardFn:
+def _function(config: Term, timeout_s: float) -> RewardFn:
     if ":" not in config.function:
         raise ValueError(f"reward.function must look like 'module:function', got {config.function!r}")
     return load_reward_function(config.function)
@@ -32,9 +38,14 @@ def _function(config: RewardConfig) -> RewardFn:
 
 REWARD_KINDS: dict[str, RewardKind] = {
     "math": RewardKind(summary="the final answer checked against data's answer with math-verify",
-                       build=lambda config: math_reward(config.answer_pattern)),
-    "function": RewardKind(summary="reward.function, called with (prompts, responses, answers)", build=_function),
+                       build=lambda config, timeout: math_reward(config.answer_pattern), term=True),
+    "function": RewardKind(summary="reward.function, called with (prompts, responses, answers)", build=_function,
+                           term=True),
+    "http": RewardKind(summary="reward.url, a server of yours that the texts are posted to",
+                       build=lambda config, timeout: http_reward(config.url, timeout), term=True),
     "model": RewardKind(summary="the score of models.reward, a sequence-classification model", model="reward"),
+    "weighted": RewardKind(summary="the weighted sum of reward.terms"),
+    "none": RewardKind(summary="no reward function: the environment's rewards alone"),
 }
 
 
@@ -44,9 +55,41 @@ def reward_kind(name: str) -> RewardKind:
     return REWARD_KINDS[name]
 
 
-def reward_function(config: RewardConfig) -> RewardFn:
-    """The reward function of ``config`` (a kind computed by a function, not by a model)."""
+def reward_terms(config: RewardConfig) -> dict[str, tuple[float, RewardFn]]:
+    """Name -> (weight, reward function of the texts) of the reward that ``config`` computes by
+    functions; empty for a reward model or ``none``."""
     kind = reward_kind(config.kind)
+    if config.kind == "weighted":
+        if not config.terms:
+            raise ValueError("reward.kind=weighted needs reward.terms (e.g. reward.terms.correct.kind=math)")
+        out = {}
+        for name, term in config.terms.items():
+            if not reward_kind(term.kind).term:
+                raise ValueError(f"reward.terms.{name}.kind must be a function kind, got {term.kind!r}")
+            out[name] = (term.weight, REWARD_KINDS[term.kind].build(term, config.timeout_s))
+        return out
+    if config.terms:
+        raise ValueError(f"reward.terms are summed by reward.kind=weighted, not by kind={config.kind!r}")
     if kind.build is None:
+        return {}
+    return {config.kind: (1.0, kind.build(config, config.timeout_s))}
+
+
+def weighted(terms: dict[str, tuple[float, RewardFn]]) -> RewardFn:
+    """One reward function: the weighted sum of ``terms``."""
+
+    def reward(prompts: list[str], responses: list[str], answers: list[Any]) -> list[float]:
+        total = [0.0] * len(responses)
+        for weight, fn in terms.values():
+            total = [t + weight * v for t, v in zip(total, fn(prompts, responses, answers))]
+        return total
+
+    return reward
+
+
+def reward_function(config: RewardConfig) -> RewardFn:
+    """The reward function of ``config`` (a kind computed by functions, not by a model)."""
+    kind = reward_kind(config.kind)
+    if kind.model is not None:
         raise ValueError(f"reward kind {config.kind!r} is computed by a reward model, not a function")
-    return kind.build(config)
+    return weighted(reward_terms(config))

@@ -10,7 +10,7 @@ import re
 import threading
 from typing import Any
 
-from shardflow.rl.rewards.scoring import RewardFn
+from shardflow.rl.rewards.texts import RewardFn
 
 
 def last_boxed(text: str) -> str | None:

@@ -8,13 +8,11 @@ response.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 
 from shardflow.data.batch import SequenceBatch
-
-RewardFn = Callable[[list[str], list[str], list[Any]], list[float]]
+from shardflow.rl.rewards.texts import RewardFn
 
 
 @dataclass

@@ -21,7 +21,8 @@ from shardflow.plan.execution_plan import ExecutionPlan
 from shardflow.rl.advantages import KLController
 from shardflow.rl.algorithms.base import Algorithm
 from shardflow.rl.graph import Call
-from shardflow.rl.rewards.scoring import RewardFn
+from shardflow.rl.rewards.texts import RewardFn
+from shardflow.rl.workers import WorkerPool
 from shardflow.runtime.models import ModelSlot
 
 
@@ -60,6 +61,18 @@ class RunState:
     kl: KLController
     engines: dict[str, Any] = field(default_factory=dict)  # generate call -> its engine or adaptive generator
     predictor_states: dict[str, dict] = field(default_factory=dict)  # restored, applied when a generator is built
+    workers: WorkerPool | None = None  # rewards and environments beside decoding (holders of rollouts)
+
+    def worker_pool(self, size: int) -> WorkerPool:
+        """The rank's worker pool, started on first use and kept for the run."""
+        if self.workers is None:
+            self.workers = WorkerPool(size)
+        return self.workers
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
 
 @dataclass

@@ -5,6 +5,10 @@ the plan's ``tp_targets``); every request ends on ranks that include its startin
 the holders keep the same rollouts, and the layout's first rank reports the switches and the
 active batch per step. Engines and adaptive generators are built once per call and kept across
 iterations (their captured graphs and the length predictor carry over).
+
+With ``rollout.env`` every request is a multi-turn episode (``engine.generate.episodes``) whose
+environment runs in the holder's worker pool; rewards are scored there too as responses finish
+(``runtime.calls.rollouts``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from shardflow.data.batch import SequenceBatch
 from shardflow.data.prompts import Prompt
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
 from shardflow.engine.generate.engine import EngineConfig, GenerationEngine, GenerationStats
+from shardflow.engine.generate.episodes import run_episodes
 from shardflow.engine.generate.replicas import replica_share
 from shardflow.engine.generate.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
 from shardflow.models.transformer import Transformer
@@ -26,6 +31,7 @@ from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
 from shardflow.perf.step_time import load_step_times
 from shardflow.runtime.calls.context import CallContext
+from shardflow.runtime.calls.rollouts import CallRollouts, episode_output_limit, pooled_scoring, replica_share_fn
 
 
 def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int, device: torch.device) -> EngineConfig:
@@ -33,7 +39,7 @@ def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int, de
     gen = config.generation
     per_replica = -(-num_prompts // layout.dp) * gen.samples_per_prompt
     return EngineConfig(
-        max_seq_len=config.data.max_prompt_tokens + gen.max_new_tokens + 1,
+        max_seq_len=config.data.max_prompt_tokens + episode_output_limit(config) + 1,
         max_batch_size=max(1, per_replica),
         kv_cache_bytes=int(gen.kv_cache_gb * (1 << 30)) or None,
         compile=gen.compile and device.type == "cuda" and layout.tp == 1,
@@ -99,16 +105,34 @@ def adaptive_generator(world: World, model: Transformer, targets: Sequence[Layou
                              config=settings, steps=steps, cluster=cluster)
 
 
+def _rollouts(ctx: CallContext, max_seq_len: int) -> CallRollouts | None:
+    """What runs beside decoding on this rank: on a replica's holder, with a worker pool."""
+    config = ctx.config
+    if ctx.layout.coord(ctx.world.rank).tp != 0 or not (config.rollout.env or pooled_scoring(config)):
+        return None
+    pool = ctx.state.worker_pool(config.rollout.workers)
+    return CallRollouts(config, pool, ctx.state.tokenizer, ctx.prompts, max_seq_len)
+
+
 def _generate(ctx: CallContext, engine: GenerationEngine) -> SequenceBatch | None:
-    requests = generation_requests(ctx.config, ctx.prompts, ctx.iteration, greedy=ctx.call.greedy, round=ctx.round)
+    config = ctx.config
+    requests = generation_requests(config, ctx.prompts, ctx.iteration, greedy=ctx.call.greedy, round=ctx.round)
     c = ctx.layout.coord(ctx.world.rank)
     mine = replica_share(requests, ctx.layout.dp, c.dp)
     start = time.perf_counter()
     engine.reset_cache()
     engine.stats = GenerationStats()
     setup = time.perf_counter() - start
+    side = _rollouts(ctx, engine.max_seq_len)
+    finished = side.finished if side is not None else None
     start = time.perf_counter()
-    engine.generate(mine)
+    if config.rollout.env:
+        rows = [ctx.prompts[r.group].row for r in mine]
+        run_episodes(engine, mine, side.client if side is not None else None, rows,
+                     share=replica_share_fn(ctx.world, ctx.layout), max_output=episode_output_limit(config),
+                     on_finish=finished)
+    else:
+        engine.generate(mine, finished)
     seconds = time.perf_counter() - start
     engine.release_cache()
     report = ctx.report
@@ -116,14 +140,18 @@ def _generate(ctx: CallContext, engine: GenerationEngine) -> SequenceBatch | Non
     report.metrics.update({"generation/tokens": float(engine.stats.generated_tokens), "generation/seconds": seconds,
                            "generation/setup_seconds": setup,
                            "generation/prefill_seconds": engine.stats.prefill_seconds})
-    return rollouts(mine, ctx.prompts, first_id=sample_offset(ctx)) if c.tp == 0 else None
+    if c.tp != 0:
+        return None
+    batch = rollouts(mine, ctx.prompts, first_id=sample_offset(ctx))
+    return side.attach(batch, mine, report) if side is not None else batch
 
 
 def _generate_adaptive(ctx: CallContext, generator: AdaptiveGenerator) -> SequenceBatch | None:
     requests = generation_requests(ctx.config, ctx.prompts, ctx.iteration, greedy=ctx.call.greedy, round=ctx.round)
     c = ctx.layout.coord(ctx.world.rank)
+    side = _rollouts(ctx, generator.engines[generator.chain[0]].max_seq_len)
     start = time.perf_counter()
-    done = generator.generate(requests)
+    done = generator.generate(requests, side.finished if side is not None else None)
     seconds = time.perf_counter() - start
     generator.release()  # the KV cache and fused copies make room for the calls that follow
     mine = replica_share(requests, ctx.layout.dp, c.dp)
@@ -135,7 +163,10 @@ def _generate_adaptive(ctx: CallContext, generator: AdaptiveGenerator) -> Sequen
         report.decode_steps = list(zip(trace.active, trace.step_seconds))
         report.metrics.update(trace.metrics())
         report.adaptive = trace.to_dict()
-    return rollouts(mine, ctx.prompts, first_id=sample_offset(ctx)) if c.tp == 0 else None
+    if c.tp != 0:
+        return None
+    batch = rollouts(mine, ctx.prompts, first_id=sample_offset(ctx))
+    return side.attach(batch, mine, report) if side is not None else batch
 
 
 def sample_offset(ctx: CallContext) -> int:

@@ -43,7 +43,8 @@ def _per_token(ctx: CallContext, what: str, key: str) -> SequenceBatch | None:
 
 
 def _sequence_scores(ctx: CallContext) -> SequenceBatch | None:
-    """A reward model's score of a sequence: its value head after reading the last token. The
+    """A reward model's score of a sequence: its value head after reading the last token (plus an
+    episode's environment reward). The
     shifted per-token values put that one position past the end, so one pad token is appended."""
     batch = ctx.batch
     offsets = batch.offsets.tolist()
@@ -56,6 +57,8 @@ def _sequence_scores(ctx: CallContext) -> SequenceBatch | None:
         return None
     last = out.offsets[1:] - 1  # the appended position
     scores = out.token_fields["values"][last.to(out.token_fields["values"].device)].float().cpu()
+    if "env_rewards" in batch.seq_fields:  # an episode's environment reward adds to the model's score
+        scores = scores + batch.seq_fields["env_rewards"].float()
     (key,) = ctx.call.outputs
     if key == "rewards":
         ctx.report.rollout["reward"] = scores.tolist()
