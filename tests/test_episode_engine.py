@@ -127,3 +127,93 @@ def test_observation_tokens_get_no_gradient(checkpoints):
     assert observed.sum() > 0
     assert (new.grad[observed > 0] == 0).all()
     assert (new.grad[batch.token_fields["loss_mask"] > 0] != 0).all()
+
+
+class ScriptedTurns:
+    """The holder's side of ``run_episodes`` with a scripted environment: each ended turn gets
+    ``observation`` (until ``TURNS`` turns, or the context, are reached) once ``ready`` has been
+    asked ``delay`` times since, or at once when the caller waits (nothing else to decode)."""
+
+    def __init__(self, vocab: int, max_seq_len: int, delay: int = 0):
+        self.vocab, self.max_seq_len, self.delay, self.answers = vocab, max_seq_len, delay, []
+
+    def begin(self, request, row):
+        pass
+
+    def ended(self, r):
+        more = r.turns < TURNS and r.num_tokens + 8 < self.max_seq_len
+        self.answers.append([self.delay, (r.request_id, observation(r, self.vocab) if more else None)])
+
+    def ready(self, wait):
+        for a in self.answers:
+            a[0] -= 1
+        out = [answer for left, answer in self.answers if wait or left < 0]
+        self.answers = [a for a in self.answers if not (wait or a[0] < 0)]
+        return out
+
+
+def adaptive_episodes_job(world, path: str, start: str, target: str, schedule: dict):
+    from shardflow.config.experiment import AdaptiveConfig
+    from shardflow.engine.adaptive.generator import AdaptiveGenerator
+    from shardflow.engine.generate.episodes import Episodes
+    from shardflow.engine.generate.replicas import replica_share
+
+    start_l, target_l = Layout.parse(start), Layout.parse(target)
+    world.create_groups([start_l, target_l])
+    if world.rank not in start_l:
+        return None
+    model, _ = load_model(path, start_l, world)
+    config = EngineConfig(max_batch_size=8, max_seq_len=96)  # room to migrate the other replica's KV
+    # turns of 4 and 10 tokens: the short ones wait for their environment while the long ones decode
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in (4, 10, 4, 10)]
+    holder = start_l.coord(world.rank).tp == 0
+    out = {}
+    # the plain engine: each replica's share as episodes (tp = 1 here: nothing to broadcast)
+    requests = make_requests(prompts(), params, 2)
+    mine = replica_share(requests, start_l.dp, start_l.coord(world.rank).dp)
+    engine = GenerationEngine(model, config, eos_token_ids=(2,))
+    run_episodes_engine(engine, mine, ScriptedTurns(128, 96, delay=1))
+    out["static"] = {r.request_id: (r.output_ids, r.output_logprobs, r.observation_spans) for r in mine}
+    generator = AdaptiveGenerator(world, model, [target_l], engine_config=config, eos_token_ids=(2,),
+                                  config=AdaptiveConfig(interval=2))
+    for mode in ("migrate", "recompute"):
+        requests = make_requests(prompts(), params, 2)
+        over = []
+        # answers come three decision points (6 steps) after a turn ends: the switch finds
+        # episodes between turns, which travel without their KV
+        episodes = Episodes(ScriptedTurns(128, 96, delay=3) if holder else None, {r.request_id: {} for r in requests},
+                            200)
+        done = generator.generate(requests, over.append, schedule={s: (target_l, mode) for s in schedule[mode]},
+                                  episodes=episodes)
+        out[f"over_{mode}"] = sorted(r.request_id for r in over)
+        if done is not None:
+            out[mode] = {r.request_id: (r.output_ids, r.output_logprobs, r.observation_spans) for r in done}
+            out[f"switches_{mode}"] = [s.between_turns for s in generator.last_trace.switches]
+    return out
+
+
+def run_episodes_engine(engine, requests, turns):
+    from shardflow.engine.generate.episodes import run_episodes
+
+    run_episodes(engine, requests, turns, [{}] * len(requests), share=lambda answers: answers, max_output=200)
+
+
+def test_episodes_switch_layout_mid_decode_and_keep_their_tokens(pool, checkpoints):
+    """d2 x tp1 -> d1 x tp2 while episodes are between turns and decoding (KV migrated or
+    recomputed): every episode's tokens are the static engine's, and each ends once."""
+    path = checkpoints.get("episode_llama", "llama")
+    schedule = {"migrate": [8], "recompute": [10]}
+    results = [r for r in pool.run(adaptive_episodes_job, path, "d2p1t1@0-1", "d1p1t2@0-1", schedule) if r]
+    static = {k: v for r in results for k, v in r["static"].items()}
+    first = next(r for r in results if "migrate" in r)
+    assert first["switches_migrate"] == [4]  # the short turns' episodes wait for their environment
+    assert len(first["switches_recompute"]) == 1
+    for mode in ("migrate", "recompute"):
+        assert sorted(first[mode]) == sorted(static)
+        for request_id, (tokens, logprobs, spans) in first[mode].items():
+            ref_tokens, ref_logprobs, ref_spans = static[request_id]
+            assert tokens == ref_tokens and spans == ref_spans, (mode, request_id)
+            torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=LOGPROB_ATOL, rtol=0)
+        assert max(len(spans) for _, _, spans in first[mode].values()) == TURNS - 1
+        # each rank's on_finish saw its own starting share's episodes, each once
+        assert sorted(x for r in results for x in r[f"over_{mode}"]) == sorted(static)

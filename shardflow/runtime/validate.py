@@ -117,9 +117,6 @@ def check_rollout(config: ExperimentConfig, algorithm: Algorithm) -> None:
         raise ValueError(f"rollout.env is for algorithms that generate; {algorithm.name} learns from data.path")
     if rollout.workers < 1:
         raise ValueError("rollout.env runs its environments in worker processes: rollout.workers must be >= 1")
-    if config.generation.adaptive.enabled:
-        raise ValueError("multi-turn episodes (rollout.env) do not yet switch layout mid-decode: set "
-                         "generation.adaptive.enabled=false")
     check_env(env_spec(config))
 
 

@@ -16,8 +16,15 @@ replicas' request states exchanged, their KV migrated or recomputed, the new lay
 graphs captured; decoding goes on in the new layout's engine. Generation ends at the first
 decision point where no rank has an unfinished request.
 
+Multi-turn episodes (``episodes``): the environments of a replica's episodes live with the
+holder of its starting replica for the whole generation; at each decision point the holders'
+answers are all-gathered over the layout and applied by whichever ranks hold each episode then.
+An episode between turns at a switch travels with its replica's requests, and its KV is
+recomputed at its next turn.
+
 Collectives per decision point: one all-gather of [ranks, 3 x buckets + 3] float64 and one
-broadcast of two integers, over the layout's ranks. Per switch: see ``reshard`` and
+broadcast of two integers, over the layout's ranks (with episodes pending, one all-gather of the
+environments' answers too). Per switch: see ``reshard`` and
 ``kv_migration``. At the end: one gather of results and per-step counts to the first rank.
 """
 
@@ -51,6 +58,7 @@ from shardflow.engine.adaptive.switch_policy import Decider, Decision, Loads, bu
 from shardflow.engine.adaptive.trace import GenerationTrace, Refusal, SwitchRecord
 from shardflow.engine.generate.decode_weights import make_decode_weights, refresh_decode_weights
 from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
+from shardflow.engine.generate.episodes import Answers, Episodes, Turns, apply_answers
 from shardflow.engine.generate.kv_cache import bytes_per_slot
 from shardflow.engine.generate.replicas import fill_results, replica_share, result_states
 from shardflow.engine.generate.requests import Request
@@ -70,6 +78,7 @@ logger = logging.getLogger(__name__)
 # "auto" for the cost model's choice).
 Schedule = Mapping[int, tuple[Layout, str]]
 BUSY, ACTIVE = 0, 1  # columns of a rank's summary (then the waiting count and the bucket sums)
+RUNNABLE, ONLY_PENDING = 1.0, 2.0  # BUSY: decoding to do, or only episodes waiting on their environments
 
 
 class AdaptiveGenerator:
@@ -139,12 +148,14 @@ class AdaptiveGenerator:
 
     @torch.no_grad()
     def generate(self, requests: Sequence[Request], on_finish: Callable[[Request], None] | None = None, *,
-                 schedule: Schedule | None = None) -> list[Request] | None:
+                 schedule: Schedule | None = None, episodes: Episodes | None = None) -> list[Request] | None:
         """Generate ``requests`` (the same list on every rank) starting in the first layout.
 
         ``schedule``: forced switches instead of the policy (an empty one never switches).
-        ``on_finish`` is called on each rank for the requests of its starting replica. Returns, on
-        the layout's first rank, every request finished (sorted by id); None on the others.
+        ``on_finish`` is called on each rank for the requests of its starting replica (episodes:
+        once they are over). ``episodes``: run the requests as multi-turn episodes (its ``turns``
+        on the holders of the starting replicas). Returns, on the layout's first rank, every
+        request finished (sorted by id); None on the others.
         """
         start, rank = self.chain[0], self.world.rank
         engine = self.engines[start]
@@ -169,11 +180,21 @@ class AdaptiveGenerator:
 
         mine = replica_share(requests, start.dp, start.coord(rank).dp)
         own = {r.request_id for r in mine}
+        pending: dict[int, Request] = {}  # episodes of this rank's current replica between turns
+        turns = episodes.turns if episodes is not None else None
 
         def finished(r: Request) -> None:
             if on_finish is not None and r.request_id in own:
                 on_finish(r)
 
+        def turn_ended(r: Request) -> None:  # a turn of an episode this rank decodes
+            pending[r.request_id] = r
+            if turns is not None and r.request_id in own:
+                turns.ended(r)
+
+        if episodes is not None:
+            episodes.start(mine)
+        ended = turn_ended if episodes is not None else finished
         layout = start
         engine.submit(mine)
         counts, seconds = [], []
@@ -181,15 +202,19 @@ class AdaptiveGenerator:
         step, begin = 0, time.perf_counter()
         while True:
             if step % interval == 0 or (schedule is not None and step in schedule):
-                summary = self._gather(engine, edges)
+                summary = self._gather(engine, edges, pending)
                 if not summary[:, BUSY].any():
                     break
+                if episodes is not None and (summary[:, BUSY] == ONLY_PENDING).any():
+                    idle = not (summary[:, BUSY] == RUNNABLE).any()  # then wait for an answer
+                    apply_answers(engine, pending, self._answers(turns, own, pending, wait=idle), finished)
                 target, mode, decision = self._decide(layout, summary, step, schedule, decider, trace)
                 if target is not None:
-                    layout = self._switch(layout, target, mode, step, decision, trace, finished)
+                    layout, pending = self._switch(layout, target, mode, step, decision, trace, ended, pending)
                     engine = self.engines[layout]
             tick = time.perf_counter()
-            engine.step(finished)
+            if engine.busy and not engine.stalled:
+                engine.step(ended)
             decoded = engine.in_flight  # the rows this step launched
             counts.append(decoded if layout.coord(rank).tp == 0 else 0)  # one count per replica
             seconds.append(time.perf_counter() - tick)
@@ -200,12 +225,13 @@ class AdaptiveGenerator:
 
     # ----- decision points -------------------------------------------------------------------
 
-    def _gather(self, engine: GenerationEngine, edges: np.ndarray) -> np.ndarray:
-        """[ranks of the layout, 3 + 3G]: busy, active, waiting, then bucket sums (count,
-        generated, context) of the unfinished requests, by rank."""
+    def _gather(self, engine: GenerationEngine, edges: np.ndarray, pending: Mapping[int, Request]) -> np.ndarray:
+        """[ranks of the layout, 3 + 3G]: busy (``RUNNABLE``, ``ONLY_PENDING`` or 0), active,
+        waiting, then bucket sums (count, generated, context) of the unfinished requests, by rank."""
         unfinished = engine.active + [r for unit in engine.waiting for r in unit]
         sums = bucket_sums([len(r.output_ids) for r in unfinished], [r.num_tokens for r in unfinished], edges)
-        mine = np.concatenate([[float(engine.busy), len(engine.active), len(unfinished) - len(engine.active)],
+        busy = RUNNABLE if engine.busy and not engine.stalled else (ONLY_PENDING if pending else 0.0)
+        mine = np.concatenate([[busy, len(engine.active), len(unfinished) - len(engine.active)],
                                sums.reshape(-1)])
         if self.group is None:
             return mine[None]
@@ -213,6 +239,18 @@ class AdaptiveGenerator:
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(parts, local, group=self.group)  # the state every decision is made from
         return torch.stack(parts).cpu().numpy()
+
+    def _answers(self, turns: Turns | None, own: set[int], pending: Mapping[int, Request], *,
+                 wait: bool) -> Answers:
+        """Every holder's environment answers, all-gathered over the layout. With ``wait`` (no rank
+        has anything to decode) a holder with episodes of its own pending waits for one."""
+        waiting_here = wait and any(request_id in own for request_id in pending)
+        mine = turns.ready(wait=waiting_here) if turns is not None else []
+        if self.group is None:
+            return mine
+        parts: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, mine, group=self.group)
+        return [answer for part in parts for answer in part]
 
     def _decide(self, layout: Layout, summary: np.ndarray, step: int, schedule: Schedule | None,
                 decider: Decider | None, trace: GenerationTrace) -> tuple[Layout | None, str, Decision | None]:
@@ -298,7 +336,10 @@ class AdaptiveGenerator:
     # ----- a switch --------------------------------------------------------------------------
 
     def _switch(self, layout: Layout, target: Layout, mode: str, step: int, decision: Decision | None,
-                trace: GenerationTrace, finished: Callable[[Request], None]) -> Layout:
+                trace: GenerationTrace, finished: Callable[[Request], None],
+                pending: Mapping[int, Request]) -> tuple[Layout, dict[int, Request]]:
+        """Switch to ``target``; returns it and the episodes between turns that this rank's new
+        replica holds (they travel with the requests, their KV dropped)."""
         rank, cfg = self.world.rank, self.cfg
         merge = plan_merge(layout, target)
         old, new = self.engines[layout], self.engines[target]
@@ -318,8 +359,10 @@ class AdaptiveGenerator:
 
         active, waiting = old.detach(finished)
         old_slot = {r.request_id: r.slot for r in active}
-        parts = gather_requests(self.world.groups.get(target.tp_group(rank)), merge, rank, active, waiting)
+        parts = gather_requests(self.world.groups.get(target.tp_group(rank)), merge, rank, active, waiting,
+                                list(pending.values()))
         merged = [r for p in parts for r in p.active]
+        between_turns = {r.request_id: r for p in parts for r in p.parked}
         queued = sorted((r for p in parts for r in p.waiting), key=lambda r: r.request_id)  # first come, first served
         t2 = time.perf_counter()
 
@@ -362,6 +405,7 @@ class AdaptiveGenerator:
         if rank == self.decider_rank:
             trace.switches.append(SwitchRecord(
                 step=step, source=str(layout), target=str(target), kv_mode=mode, requests=len(merged),
+                between_turns=len(between_turns),
                 weights_s=t1 - t0, requests_s=t2 - t1, kv_s=t3 - t2, groups_s=0.0, graphs_s=t4 - t3,
                 total_s=t4 - t0, weight_bytes=self.weight_bytes.get(target, 0), kv_bytes=kv_bytes,
                 extra_bytes_bound=extra, peak_extra_bytes=peak,
@@ -369,7 +413,7 @@ class AdaptiveGenerator:
                 predicted_cost_s=decision.cost.total if decision and decision.cost else None))
             logger.info("adaptive TP: step %d, %s -> %s (%s KV, %d requests) in %.1f ms", step, layout, target,
                         mode, len(merged), (t4 - t0) * 1e3)
-        return target
+        return target, between_turns
 
     # ----- the end of a generation -----------------------------------------------------------
 

@@ -46,10 +46,11 @@ class ReplicaRequests:
     replica: int  # index in the layout being left
     active: list[Request]  # in batch order
     waiting: list[Request]  # in queue order
+    parked: list[Request] = field(default_factory=list)  # episodes between turns (no KV)
 
 
 def gather_requests(group: ProcessGroup | None, merge: Merge, rank: int, active: list[Request],
-                    waiting: list[Request]) -> list[ReplicaRequests]:
+                    waiting: list[Request], parked: list[Request] = ()) -> list[ReplicaRequests]:
     """Every replica that merges with this rank's, in merge order, with its unfinished requests.
 
     One ``all_gather_object`` over the merged replica's ranks: each old replica's tp-0 rank sends
@@ -57,21 +58,21 @@ def gather_requests(group: ProcessGroup | None, merge: Merge, rank: int, active:
     request objects; the others arrive as copies, without slots.
     """
     c = merge.src.coord(rank)
-    payload = (c.dp, active, waiting) if c.tp == 0 else None
+    payload = (c.dp, active, waiting, list(parked)) if c.tp == 0 else None
     if group is None:
         gathered = [payload]
     else:
         gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, payload, group=group)
-    by_replica = {p[0]: (p[1], p[2]) for p in gathered if p is not None}
-    by_replica[c.dp] = (active, waiting)
+    by_replica = {p[0]: (p[1], p[2], p[3]) for p in gathered if p is not None}
+    by_replica[c.dp] = (active, waiting, list(parked))
     out = []
     for m in merge.groups[merge.dst_replica_of(c.dp)]:
-        act, wait = by_replica[m]
+        act, wait, between = by_replica[m]
         if m != c.dp:
             for r in (*act, *wait):
                 r.slot = None
-        out.append(ReplicaRequests(m, list(act), list(wait)))
+        out.append(ReplicaRequests(m, list(act), list(wait), list(between)))
     return out
 
 

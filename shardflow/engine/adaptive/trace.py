@@ -20,6 +20,7 @@ class SwitchRecord:
     kv_mode: str
     total_s: float
     requests: int = 0  # active requests of the first rank's merged replica
+    between_turns: int = 0  # its episodes waiting on their environments (they travel without KV)
     weights_s: float = 0.0  # seconds on the first rank, by part
     requests_s: float = 0.0  # exchanging request states
     kv_s: float = 0.0

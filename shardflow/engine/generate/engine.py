@@ -336,7 +336,9 @@ class GenerationEngine:
             for r, slot in zip(fresh, self.cache.allocate(len(fresh))):
                 r.slot = slot
             admitted.append(unit)
-        assert admitted or self.active or not self.waiting, "a prefill unit larger than the cache"
+        # nothing admitted and nothing decoding: the head waits for slots no one will free (only a
+        # parked episode's close or resume can: the caller checks ``stalled`` first)
+        assert admitted or self.active or self._launched or not self.waiting, "a prefill unit larger than the cache"
         if admitted:
             self._prefill(admitted)
             self.active += [r for unit in admitted for r in unit]

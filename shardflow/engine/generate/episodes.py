@@ -11,6 +11,7 @@ ranks (``share``), so that every rank resumes and closes the same episodes at th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from shardflow.engine.generate.engine import GenerationEngine
@@ -32,6 +33,43 @@ class Turns(Protocol):
     def ready(self, wait: bool) -> Answers: ...
 
 
+@dataclass
+class Episodes:
+    """What a generation needs to run its requests as episodes: the environments' side (None
+    on a rank that does not hold them), each request's dataset row by request id, and the
+    episode's output limit (``Request.max_output``)."""
+
+    turns: Turns | None
+    rows: dict[int, dict]
+    max_output: int
+
+    def start(self, requests: Sequence[Request]) -> None:
+        """Mark ``requests`` as episodes (each rank) and open their environments (the holder)."""
+        for r in requests:
+            r.keep_kv, r.max_output = True, self.max_output
+            if self.turns is not None:
+                self.turns.begin(r, self.rows[r.request_id])
+
+
+def apply_answers(engine: GenerationEngine, pending: dict[int, Request], answers: Answers,
+                  on_finish: Callable[[Request], None] | None = None) -> None:
+    """Resume (next turn) or close (over) the pending episodes the answers are about; answers
+    about episodes this rank does not hold are skipped. A closed episode that is parked here
+    frees its slot (after an adaptive switch it is not: its KV was dropped)."""
+    for request_id, observation in answers:
+        r = pending.pop(request_id, None)
+        if r is None:
+            continue
+        if observation is None:
+            if engine.parked.get(request_id) is r:
+                engine.close([r])
+            if on_finish is not None:
+                on_finish(r)
+        else:
+            r.continue_with(observation)
+            engine.submit([r])
+
+
 def run_episodes(engine: GenerationEngine, requests: Sequence[Request], turns: Turns | None,
                  rows: Sequence[dict], *, share: Callable[[Answers | None], Answers],
                  max_output: int, on_finish: Callable[[Request], None] | None = None,
@@ -40,10 +78,7 @@ def run_episodes(engine: GenerationEngine, requests: Sequence[Request], turns: T
     returns the decode steps taken. ``turns`` is None on the ranks that do not hold the
     environments; ``share`` broadcasts the holder's answers (identity with one rank);
     ``on_finish`` sees each episode once it is over."""
-    for r, row in zip(requests, rows):
-        r.keep_kv, r.max_output = True, max_output
-        if turns is not None:
-            turns.begin(r, row)
+    Episodes(turns, {r.request_id: row for r, row in zip(requests, rows)}, max_output).start(requests)
     pending: dict[int, Request] = {}
 
     def turn_ended(r: Request) -> None:
@@ -60,14 +95,6 @@ def run_episodes(engine: GenerationEngine, requests: Sequence[Request], turns: T
             steps += 1
         if pending and (not runnable or steps % sync_every == 0):
             answers = share(turns.ready(wait=not runnable) if turns is not None else None)
-            for request_id, observation in answers:
-                r = pending.pop(request_id)
-                if observation is None:
-                    engine.close([r])
-                    if on_finish is not None:
-                        on_finish(r)
-                else:
-                    r.continue_with(observation)
-                    engine.submit([r])
+            apply_answers(engine, pending, answers, on_finish)
     assert not engine.parked, "an episode ended without closing its slot"
     return steps

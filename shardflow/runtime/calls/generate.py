@@ -23,7 +23,7 @@ from shardflow.data.batch import SequenceBatch
 from shardflow.data.prompts import Prompt
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
 from shardflow.engine.generate.engine import EngineConfig, GenerationEngine, GenerationStats
-from shardflow.engine.generate.episodes import run_episodes
+from shardflow.engine.generate.episodes import Episodes, run_episodes
 from shardflow.engine.generate.replicas import replica_share
 from shardflow.engine.generate.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
 from shardflow.models.transformer import Transformer
@@ -150,8 +150,13 @@ def _generate_adaptive(ctx: CallContext, generator: AdaptiveGenerator) -> Sequen
     requests = generation_requests(ctx.config, ctx.prompts, ctx.iteration, greedy=ctx.call.greedy, round=ctx.round)
     c = ctx.layout.coord(ctx.world.rank)
     side = _rollouts(ctx, generator.engines[generator.chain[0]].max_seq_len)
+    episodes = None
+    if ctx.config.rollout.env:
+        episodes = Episodes(side.client if side is not None else None,
+                            {r.request_id: ctx.prompts[r.group].row for r in requests},
+                            episode_output_limit(ctx.config))
     start = time.perf_counter()
-    done = generator.generate(requests, side.finished if side is not None else None)
+    done = generator.generate(requests, side.finished if side is not None else None, episodes=episodes)
     seconds = time.perf_counter() - start
     generator.release()  # the KV cache and fused copies make room for the calls that follow
     mine = replica_share(requests, ctx.layout.dp, c.dp)
