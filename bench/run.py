@@ -69,6 +69,13 @@ SUITES: dict[str, tuple[Step, ...]] = {
         Step("adaptive", 120, "adaptive_tp.py", (), ("adaptive_tp.json", "adaptive_trace_simulated.png",
                                                      "decode_steps.json")),
     ),
+    # multi-turn episodes: KV continuation against re-prefill, environments and rewards beside
+    # decoding; the reward pool against one worker and the rank (CPU)
+    "multiturn": (
+        Step("multiturn", 300, "multiturn.py", (), ("multiturn.json",)),
+        Step("reward_pool", 120, "reward_pool.py", ("--responses", "1024", "--workers", "1,2,4,8"),
+             ("reward_pool.json",)),
+    ),
     "planner": (
         Step("planner", 600, "planner.py", (), ("planner.json",)),
         Step("planner_accuracy", 240, "planner_accuracy.py", (), ("planner_accuracy.json",)),

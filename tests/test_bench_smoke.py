@@ -26,6 +26,8 @@ CASES = {  # script: (arguments, JSON it writes)
     "adaptive_tp.py": (["--tiny", "--one-device"], "adaptive_tp.json"),
     "planner_accuracy.py": (["--tiny"], "planner_accuracy.json"),
     "planner.py": (["--gpus", "16", "--time-limit", "2"], "planner.json"),
+    "multiturn.py": (["--tiny", "--repeat", "1", "--workers", "2"], "multiturn.json"),
+    "reward_pool.py": (["--responses", "16", "--workers", "1,2"], "reward_pool.json"),
 }
 
 

@@ -210,7 +210,8 @@ def sequence_rewards(batch: SequenceBatch, kl_coef: float, kl_estimator: str) ->
     kl = kl_penalty(batch.token_fields["logprobs"].float(), batch.token_fields["ref_logprobs"].float(), kl_estimator)
     mask = (batch.token_fields["loss_mask"] > 0).float()
     seq = torch.repeat_interleave(torch.arange(len(batch)), batch.lengths)
-    return rewards - kl_coef * torch.zeros(len(batch), dtype=torch.float64).index_add_(0, seq, (kl * mask).double().cpu())
+    summed = torch.zeros(len(batch), dtype=torch.float64).index_add_(0, seq, (kl * mask).double().cpu())
+    return rewards - kl_coef * summed
 
 
 def _with_rewards(batch: SequenceBatch, rewards: torch.Tensor) -> SequenceBatch:

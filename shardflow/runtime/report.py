@@ -94,6 +94,9 @@ def _rollout_work(summary: dict, reports: list) -> None:
         summary["time/rollout/hidden_share"] = max(0.0, 1.0 - summary.get("time/rollout/waited", 0.0) / busy)
 
 
+EPISODE_LISTS = ("turns", "tool_calls", "tool_errors", "observation_tokens")
+
+
 def episode_metrics(per_rank: list[dict]) -> dict[str, float]:
     """Per-episode facts (turns, tool calls and errors, observation tokens) and each reward term's
     mean, from the holders' per-sequence lists."""
@@ -101,7 +104,7 @@ def episode_metrics(per_rank: list[dict]) -> dict[str, float]:
     for reports in per_rank:
         for r in reports.values():
             for key, values in r.rollout.items():
-                if key in ("turns", "tool_calls", "tool_errors", "observation_tokens") or key.startswith("reward_term/"):
+                if key in EPISODE_LISTS or key.startswith("reward_term/"):
                     lists.setdefault(key, []).extend(values)
     out: dict[str, float] = {}
     for key, values in lists.items():

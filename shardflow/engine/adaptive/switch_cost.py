@@ -86,7 +86,8 @@ class SwitchCostModel:
                  weight_bytes: int = 0, new_graphs: int = 0,
                  modes: Sequence[str] = (MIGRATE, RECOMPUTE)) -> SwitchCost | None:
         """The cheaper allowed KV mode's cost (None when no mode is allowed)."""
-        common = dict(weights_s=weight_bytes / self.cluster.p2p_bandwidth, graphs_s=new_graphs * self.params.graph_capture_s,
+        common = dict(weights_s=weight_bytes / self.cluster.p2p_bandwidth,
+                      graphs_s=new_graphs * self.params.graph_capture_s,
                       overhead_s=self.params.overhead_s)
         options = []
         if MIGRATE in modes:
