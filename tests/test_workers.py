@@ -11,9 +11,12 @@ import time
 
 import pytest
 
-from shardflow.config.experiment import RewardConfig, RewardTermConfig
+from shardflow.config.experiment import DataConfig, RewardConfig, RewardTermConfig
+from shardflow.data.prompts import load_prompts
+from shardflow.models.tiny import char_tokenizer
 from shardflow.rl.envs import EnvSpec, check_env, checked_step
 from shardflow.rl.envs.calculator import calculator
+from shardflow.rl.envs.chat import ObservationFormat
 from shardflow.rl.envs.python_sandbox import python
 from shardflow.rl.envs.tools import ToolEnv, parse_hermes, tool_schema
 from shardflow.rl.rewards import reward_function, reward_terms
@@ -233,3 +236,30 @@ def test_reward_terms_are_checked():
     with pytest.raises(ValueError, match="reward.url must be an http"):
         reward_terms(RewardConfig(kind="http", url="ftp://x"))
     assert reward_terms(RewardConfig(kind="none")) == {}
+
+
+QWEN_LIKE = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|>\n"
+             "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_observations_follow_the_chat_template_after_the_model_turn():
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = QWEN_LIKE
+    fmt = ObservationFormat(tokenizer, "tool", chat=True)
+    # the turn ended with the template's own end-of-turn text: it is not repeated
+    assert fmt.text("7", "<|im_end|>") == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    # a turn cut by its length gets it from here; chat messages keep their roles
+    assert fmt.text([{"role": "user", "content": "go on"}], None) == \
+        "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
+    assert ObservationFormat(tokenizer, "tool", chat=False).text("raw", None) == "raw"
+
+
+def test_prompts_render_the_tool_list(tmp_path):
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = QWEN_LIKE
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "3+4=", "answer": "7", "extra": 1}) + "\n")
+    [prompt] = load_prompts(DataConfig(path=str(data)), tokenizer, tools=[tool_schema(calculator)], keep_rows=True)
+    assert prompt.text.startswith("<|im_start|>system\ncalculator <|im_end|>\n<|im_start|>user\n3+4=")
+    assert prompt.row == {"prompt": "3+4=", "answer": "7", "extra": 1}
