@@ -75,7 +75,7 @@ def test_bad_files_and_settings(tmp_path, tok):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_prompts(DataConfig(path=str(tmp_path / "none.jsonl")), tok)
     (tmp_path / "d.csv").write_text("prompt,answer\n")
-    with pytest.raises(ValueError, match="must be .jsonl or .parquet, got '.csv'"):
+    with pytest.raises(ValueError, match="must be a .jsonl or .parquet file or a dataset directory, got d.csv"):
         load_prompts(DataConfig(path=str(tmp_path / "d.csv")), tok)
     empty = write_jsonl(tmp_path / "e.jsonl", [])
     with pytest.raises(ValueError, match="has no rows"):

@@ -29,6 +29,7 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "train": Command("shardflow.cli.train", "run an RL algorithm per an execution plan (the shipped example "
                                             "when no config is given)"),
+    "eval": Command("shardflow.cli.eval", "evaluate a model or checkpoint on held-out prompts (pass@1, mean@k)"),
     "generate": Command("shardflow.cli.generate", "complete the prompts of a JSONL file"),
     "plan": Command("shardflow.cli.plan", "search an execution plan for an experiment on a cluster"),
     "profile": Command("shardflow.cli.profile", "measure layer, decode and link costs of a model shape on this "

@@ -49,15 +49,22 @@ def run(args: argparse.Namespace) -> None:
             "\n".join("  " + line for line in algorithm_table())
         print("\n".join(keys) + "\n\n" + algorithms + "\n\n" + PLAN_FILE_FORMAT)
         return
-    files = [a for a in args.args if "=" not in a]
-    overrides = [a for a in args.args if "=" in a]
+    train(load_train_config(args.args, args.example))
+
+
+def load_train_config(args: list[str], example: str) -> ExperimentConfig:
+    """The config of ``args`` (an optional YAML file, then key.sub=value overrides); without a file,
+    the shipped ``example``'s."""
+    files = [a for a in args if "=" not in a]
+    overrides = [a for a in args if "=" in a]
     if len(files) > 1:
         raise ValueError(f"expected at most one config file, got {files}")
     base = None
     if not files:
-        base = EXAMPLES[args.example](*_example_settings(overrides, args.example))
-    config = load_config(files[0] if files else None, overrides, base=base)
-    train(config)
+        if example not in EXAMPLES:
+            raise ValueError(f"--example must be one of {', '.join(sorted(EXAMPLES))}, got {example!r}")
+        base = EXAMPLES[example](*_example_settings(overrides, example))
+    return load_config(files[0] if files else None, overrides, base=base)
 
 
 def train(config: ExperimentConfig) -> None:

@@ -51,7 +51,13 @@ class ModelSpec(Settings):
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig(Settings):
-    path: str = setting("", "prompt dataset: .jsonl or .parquet (relative: to the config file)", path="file")
+    path: str = setting("", "prompt dataset: a .jsonl or .parquet file, or a directory of a Hugging Face dataset "
+                            "(save_to_disk, or data files by split) (relative: to the config file)", path="file")
+    dataset: str = setting("", "instead of path: a Hugging Face dataset by name (e.g. openai/gsm8k), from the local "
+                               "cache unless allow_download")
+    dataset_config: str = setting("", "the dataset's configuration (subset) name, if it has several (e.g. main)")
+    split: str = setting("train", "the split of a Hugging Face dataset (directory or name)")
+    allow_download: bool = setting(False, "let a dataset by name be downloaded when it is not in the local cache")
     prompt_key: str = setting("prompt", "field with the prompt text")
     messages_key: str = setting("messages", "field with chat messages (used when present)")
     answer_key: str = setting("answer", "field with the reference answer, passed to the reward")
@@ -62,6 +68,31 @@ class DataConfig(Settings):
                                         "template")
     max_prompt_tokens: int = setting(512, "prompts longer than this are refused", gt=0)
     shuffle: bool = setting(True, "shuffle each epoch (seeded by run.seed)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig(Settings):
+    """Held-out evaluation: prompts of their own through the generate call and the reward, every
+    ``every`` iterations and at the end; their columns and prompt length follow ``data``'s keys."""
+
+    path: str = setting("", "held-out prompts: as data.path (empty, and no dataset: no evaluation)", path="file")
+    dataset: str = setting("", "instead of path: a Hugging Face dataset by name, as data.dataset")
+    dataset_config: str = setting("", "the dataset's configuration (subset) name")
+    split: str = setting("test", "the split of a Hugging Face dataset")
+    every: int = setting(0, "evaluate every N iterations (0: only at the end)", ge=0)
+    at_start: bool = setting(True, "evaluate once before the first iteration too (logged as iteration 0)")
+    max_prompts: int = setting(0, "evaluate the first N prompts only (0: all)", ge=0)
+    samples: int = setting(4, "sampled responses per prompt for mean@k and pass@k (0: the greedy pass alone)",
+                           ge=0)
+    temperature: float | None = setting(None, "sampling temperature of the sampled pass (default: "
+                                              "generation.temperature)", gt=0)
+    max_new_tokens: int = setting(0, "response length limit (0: generation.max_new_tokens; not above it)", ge=0)
+    correct_reward: float = setting(1.0, "a response counts as correct (pass@1, pass@k) when its reward is at "
+                                         "least this")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path or self.dataset)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,6 +294,23 @@ class AlgorithmConfig(Settings):
 
 
 @dataclass(frozen=True, kw_only=True)
+class WandbConfig(Settings):
+    enabled: bool = setting(False, "log metrics, the config and the plan to Weights & Biases (pip install wandb)")
+    project: str = setting("shardflow", "the W&B project")
+    entity: str = setting("", "the W&B entity (team or user; empty: your default)")
+    mode: str = setting("offline", "online (to the server), offline (files under out_dir/wandb, synced later with "
+                                   "'wandb sync') or disabled", choices=("online", "offline", "disabled"))
+    tags: list = setting([], "tags of the W&B run")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlflowConfig(Settings):
+    enabled: bool = setting(False, "log metrics, the config and the plan to MLflow (pip install mlflow)")
+    tracking_uri: str = setting("", "the MLflow tracking server or store (empty: a local store, out_dir/mlflow.db)")
+    experiment: str = setting("shardflow", "the MLflow experiment")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig(Settings):
     name: str = setting("run", "run name (used in out_dir)")
     out_dir: str = setting("runs/{name}", "where metrics, checkpoints and pictures go (relative: to the working "
@@ -277,6 +325,8 @@ class RunConfig(Settings):
     keep_checkpoints: int = setting(2, "how many recent checkpoints to keep", gt=0)
     resume: bool = setting(True, "continue from the latest checkpoint in out_dir when one exists")
     tensorboard: bool = setting(True, "write TensorBoard event files")
+    wandb: WandbConfig = section(WandbConfig, "Weights & Biases logging")
+    mlflow: MlflowConfig = section(MlflowConfig, "MLflow logging")
     progress: bool = setting(True, "show progress bars")
 
     @property
@@ -292,6 +342,7 @@ class ExperimentConfig(Settings):
     generation: GenerationConfig = section(GenerationConfig, "sampling")
     reward: RewardConfig = section(RewardConfig, "reward")
     rollout: RolloutConfig = section(RolloutConfig, "multi-turn episodes, tools and the worker pool")
+    eval: EvalConfig = section(EvalConfig, "held-out evaluation during training and by 'shardflow eval'")
     plan: str = setting("symmetric", "execution plan: 'symmetric', or a plan YAML file (relative: to the config "
                                      "file)", path="plan")
     run: RunConfig = section(RunConfig, "run control")

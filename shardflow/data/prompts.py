@@ -1,16 +1,14 @@
-"""Prompt datasets (JSONL or Parquet) and the seeded, resumable order in which they are used.
+"""Prompt datasets and the seeded, resumable order in which they are used.
 
-Each row holds a prompt, as text (``data.prompt_key``) or chat messages (``data.messages_key``),
-and a reference answer (``data.answer_key``). Everything is read, checked and tokenized up front,
-so a bad row stops the run before any rank starts, with the row named: JSONL lines are counted
-from 1 as editors do, Parquet rows from 0 as dataframes do.
+Each row (from a file or a Hugging Face dataset: ``data.sources``) holds a prompt, as text
+(``data.prompt_key``) or chat messages (``data.messages_key``), and a reference answer
+(``data.answer_key``). Everything is read, checked and tokenized up front, so a bad row stops the
+run before any rank starts, with the row named.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -18,6 +16,7 @@ import torch
 
 from shardflow.config.experiment import DataConfig
 from shardflow.data.batch import SequenceBatch
+from shardflow.data.sources import Source, dataset_rows, source_of
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,44 +31,24 @@ class Prompt:
     row: dict | None = None  # the whole row, for a multi-turn environment (``keep_rows``)
 
 
-def load_prompts(config: DataConfig, tokenizer, *, require_answer: bool = True,
+def load_prompts(config: DataConfig, tokenizer, *, source: Source | None = None, require_answer: bool = True,
                  completions: tuple[str, ...] = (), tools: list[dict] | None = None,
                  keep_rows: bool = False) -> list[Prompt]:
-    """Read, check and tokenize every prompt of ``config.path``; with ``completions`` (data keys
-    such as ``data.response_key``), each row's completions under those fields too. ``tools``:
-    the JSON schemas the chat template renders into each prompt; ``keep_rows``: keep each row."""
-    path = Path(config.path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt dataset {path} does not exist")
+    """Read, check and tokenize every prompt of ``source`` (default: ``config``'s own dataset),
+    its columns named by ``config``'s keys; with ``completions`` (data keys such as
+    ``data.response_key``), each row's completions under those fields too. ``tools``: the JSON
+    schemas the chat template renders into each prompt; ``keep_rows``: keep each row."""
+    source = source or source_of(config, "data")
     if config.chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"data.chat_template is on but the tokenizer has no chat template ({path}); "
+        raise ValueError(f"data.chat_template is on but the tokenizer has no chat template ({source.name}); "
                          "set data.chat_template=false to use prompts as plain text")
+    columns = tuple(completions) + ((config.answer_key,) if require_answer else ())
+    rows = dataset_rows(source, columns=columns, any_of=(config.prompt_key, config.messages_key))
     prompts = [_prompt(row, where, i, config, tokenizer, require_answer, completions, tools, keep_rows)
-               for i, (where, row) in enumerate(_rows(path))]
+               for i, (where, row) in enumerate(rows)]
     if not prompts:
-        raise ValueError(f"prompt dataset {path} has no rows")
+        raise ValueError(f"{source.key} dataset {source.name} has no rows")
     return prompts
-
-
-def _rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """(where, row) for each row, where = 'path line N' or 'path row N'."""
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield f"{path} line {number}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path} line {number} is not valid JSON: {e.msg} (column {e.colno})") from None
-    elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for number, row in enumerate(pq.read_table(path).to_pylist()):
-            yield f"{path} row {number}", row
-    else:
-        raise ValueError(f"prompt dataset {path} must be .jsonl or .parquet, got {suffix or 'no suffix'!r}")
 
 
 def _prompt(row: Any, where: str, index: int, config: DataConfig, tokenizer, require_answer: bool,

@@ -33,12 +33,14 @@ from shardflow.engine.adaptive.trace import GenerationTrace, plot_trace
 from shardflow.models.checkpoint import save_checkpoint
 from shardflow.parallel.world import World
 from shardflow.rl.advantages import KLController
-from shardflow.rl.graph import Call, Graph
+from shardflow.rl.graph import Call, Graph, Kind
 from shardflow.rl.rewards import reward_function, reward_kind
 from shardflow.runtime import checkpointing
 from shardflow.runtime.calls import CALL_KINDS
-from shardflow.runtime.calls.context import CallContext, CallReport, RunState
+from shardflow.runtime.calls.context import CallContext, CallReport, RunState, Sampling
 from shardflow.runtime.calls.data import Held, communication_groups, is_holder, join, push_outputs, source_share
+from shardflow.runtime.evaluation import evaluate
+from shardflow.runtime.loggers import config_sinks
 from shardflow.runtime.metrics import MetricsLogger
 from shardflow.runtime.models import ModelSlot
 from shardflow.runtime.pictures import draw_generation, draw_timeline
@@ -78,11 +80,12 @@ class Run:
         world.groups.create(communication_groups(self.graph, self.plan))
 
         tokenizer = AutoTokenizer.from_pretrained(config.models["actor"].path)
-        self.prompts = prepared.prompts  # the dataset's rows
+        self.prompts = prepared.prompts  # the dataset's rows (none when only evaluating)
         self.sampler = PromptSampler(len(self.prompts), config.algorithm.batch_size, seed=config.run.seed,
-                                     shuffle=config.data.shuffle)
+                                     shuffle=config.data.shuffle) if self.prompts else None
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        scored = prepared.algorithm.online and reward_kind(config.reward.kind).model is None
+        scored = (any(c.kind is Kind.FUNCTION for c in self.graph.calls)
+                  and reward_kind(config.reward.kind).model is None)
         reward_fn = reward_function(config.reward) if scored else None
         self.state = RunState(tokenizer=tokenizer, eos_token_ids=eos + list(prepared.models["actor"].eos_token_ids),
                               reward_fn=reward_fn, kl=KLController.from_config(config.algorithm.kl))
@@ -123,9 +126,10 @@ class Run:
         return summary
 
     def _run_call(self, call: Call, it: int, prompts: list, walk: "Walk", *, round: int = 0,
-                  push_to: Sequence[str] | None = None) -> None:
+                  push_to: Sequence[str] | None = None, sampling: Sampling | None = None) -> None:
         """One call on this rank: the model into the call's layout, the call's kind on its inputs,
-        its outputs held and sent on (to the calls in ``push_to`` only, if given)."""
+        its outputs held and sent on (to the calls in ``push_to`` only, if given); ``sampling``:
+        a generate call's sampling other than the run's (evaluation)."""
         world = self.world
         kind = CALL_KINDS[call.kind]
         report = walk.reports.setdefault(call.name, CallReport()) if round == 0 else CallReport()
@@ -141,7 +145,7 @@ class Run:
             layout, batch = walk.held[call.inputs[0]].layout, walk.held[call.inputs[0]].batch
         ctx = CallContext(world=world, config=self.config, algorithm=self.prepared.algorithm, plan=self.plan,
                           call=call, layout=layout, iteration=it, prompts=prompts, state=self.state, report=report,
-                          slot=slot, model=model, batch=batch, round=round)
+                          slot=slot, model=model, batch=batch, round=round, sampling=sampling)
         out = kind.run(ctx)
         if slot is not None:
             slot.done_with(layout)
@@ -165,12 +169,9 @@ class Run:
         generated = 0
         for round in range(settings.max_rounds):
             rows = prompts if round == 0 else [self.prompts[i] for i in self.sampler.next_batch()]
-            local = Walk(held={}, inbox={name: [] for name in phase}, reports=walk.reports)
-            for name in phase:
-                self._run_call(self.graph.call(name), it, rows, local, round=round, push_to=phase)
-            rounds.append(local.held)
+            rounds.append(self._walk_phase(phase, it, rows, walk.reports, round=round).held)
             generated += len(rows)
-            kept += informative_groups(world, local.held["rewards"], n)
+            kept += informative_groups(world, rounds[-1]["rewards"], n)
             if len(kept) >= want:
                 break
         chosen = set(kept[:want]) or {g for g in range(len(prompts))}  # nothing informative: round 0, as is
@@ -187,6 +188,26 @@ class Run:
         return {"dynamic_sampling/rounds": float(len(rounds)), "dynamic_sampling/groups": float(generated),
                 "dynamic_sampling/kept_groups": float(len(chosen)),
                 "dynamic_sampling/dropped_groups": float(generated - len(set(kept)))}
+
+    def _walk_phase(self, phase: Sequence[str], it: int, rows: list, reports: dict[str, CallReport], *,
+                    round: int = 0, sampling: Sampling | None = None) -> "Walk":
+        """The calls of ``phase`` on ``rows``, their outputs sent only among them."""
+        local = Walk(held={}, inbox={name: [] for name in phase}, reports=reports)
+        for name in phase:
+            self._run_call(self.graph.call(name), it, rows, local, round=round, push_to=phase, sampling=sampling)
+        return local
+
+    def evaluate(self, it: int, samples_file: Path | None = None) -> dict[str, float]:
+        """The held-out evaluation after iteration ``it`` (0: before training), its responses
+        written to ``samples_file`` (default ``out_dir/eval/iter-N.jsonl``); collective."""
+        phase, rows = sampling_calls(self.graph), self.prepared.eval_prompts
+
+        def walk(sampling: Sampling):
+            local = self._walk_phase(phase, it, rows, {}, sampling=sampling)
+            return local.held, local.reports
+
+        return evaluate(self.world, self.config, rows, self.state.tokenizer, walk,
+                        samples_file or self.out_dir / "eval" / f"iter-{it}.jsonl")
 
     def _inputs(self, call, layout, inbox: dict[str, list], rows: list) -> SequenceBatch | None:
         """A model call's inputs on this rank: what reached it from other calls, and its replica's
@@ -284,6 +305,18 @@ def informative_groups(world: World, rewards: Held, samples_per_prompt: int) -> 
     return sorted(g for g, scores in values.items() if len(scores) > 1)
 
 
+def eval_rank(world: World, prepared: Prepared, out: Path) -> None:
+    """``shardflow eval`` on one rank: the held-out evaluation of the prepared actor; rank 0 writes
+    the metrics to ``out`` (JSON) and the responses beside it."""
+    run = Run(world, prepared)
+    try:
+        scores = run.evaluate(0, out.with_suffix(".jsonl"))
+    finally:
+        run.state.close()
+    if world.rank == 0:
+        out.write_text(json.dumps({"checkpoint": prepared.config.models["actor"].path, **scores}, indent=2))
+
+
 def train_rank(world: World, prepared: Prepared) -> None:
     run = Run(world, prepared)
     try:
@@ -297,14 +330,25 @@ def _train(run: "Run") -> None:
     config = run.config
     metrics = None
     if world.rank == 0:
+        run.out_dir.mkdir(parents=True, exist_ok=True)
+        plan_file = run.out_dir / "plan.yaml"
+        plan_file.write_text(run.plan.to_yaml())
         # a fresh start (no checkpoint, or run.resume=false) keeps nothing of an earlier run's metrics
-        metrics = MetricsLogger(run.out_dir, tensorboard=config.run.tensorboard, resume_step=run.start_iteration)
-        (run.out_dir / "plan.yaml").write_text(run.plan.to_yaml())
+        resumed = run.start_iteration > 0
+        metrics = MetricsLogger(run.out_dir, tensorboard=config.run.tensorboard, resume_step=run.start_iteration,
+                                sinks=config_sinks(config, run.out_dir, plan_file, resume=resumed))
     iterations = range(run.start_iteration + 1, config.run.iterations + 1)
+    evaluating = bool(run.prepared.eval_prompts)
+    if evaluating and config.eval.at_start and run.start_iteration == 0:
+        scores = run.evaluate(0)
+        if metrics is not None:
+            metrics.log(0, scores)
     bar = tqdm(iterations, desc="iterations", disable=world.rank != 0 or not config.run.progress, dynamic_ncols=True)
     last = None
     for it in bar:
         summary = run.iteration(it)
+        if evaluating and (it == config.run.iterations or (config.eval.every and it % config.eval.every == 0)):
+            summary.update(run.evaluate(it))
         last = summary
         if world.rank == 0:
             for text in summary.get("_errors", []):

@@ -1,4 +1,5 @@
-"""Per-iteration metrics: one readable console line, a JSONL file and TensorBoard scalars.
+"""Per-iteration metrics: one readable console line, a JSONL file, TensorBoard scalars and the
+loggers of ``runtime.loggers`` (W&B, MLflow).
 
 Keys are slash-separated names so that TensorBoard groups them: ``reward/*`` and
 ``response_length/*`` from ``rollout_metrics``, a train call's stats under its model
@@ -14,9 +15,11 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+
+from shardflow.runtime.loggers import Sink
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +36,8 @@ CONSOLE_FIRST = (
     ("actor/policy_loss", "pg"), ("critic/value_loss", "vf"), ("actor/grad_norm", "gnorm"),
     ("time/iteration", "time"),
 )
+# held-out evaluation: the accuracies (both lines)
+CONSOLE_EVAL = ("eval/pass@", "eval/mean@")
 # other keys worth a place on the console, by their last part (everything goes to JSONL and TensorBoard)
 CONSOLE_ALSO = ("policy_loss", "value_loss", "grad_norm", "clip_frac", "entropy", "kl", "lr", "tokens_per_s")
 
@@ -83,6 +88,11 @@ def format_line(step: int, metrics: dict[str, Any], *, full: bool = True) -> str
             text = f"{100 * value:.0f}%" if key.endswith("clip_ratio") else _number(value)
             parts.append(f"{label} {text}" + ("s" if key.startswith("time/") else ""))
             shown.add(key)
+    evaluation = [f"{k.removeprefix('eval/')} {_number(v)}" for k, v in sorted(metrics.items())
+                  if k.startswith(CONSOLE_EVAL)]
+    if evaluation:
+        parts.append("| eval " + " ".join(evaluation))
+        shown.update(k for k in metrics if k.startswith(CONSOLE_EVAL))
     if not full:
         return " ".join(parts)
     times = [f"{k.removeprefix('time/')} {_number(v)}s" for k, v in sorted(metrics.items())
@@ -114,7 +124,8 @@ the short one, or every number at ``--log-level debug``).
     """
 
     def __init__(self, out_dir: str | Path, *, tensorboard: bool = True, console: bool = True,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, sinks: Sequence[Sink] = ()):
+        self.sinks = list(sinks)
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.out_dir / "metrics.jsonl"
@@ -143,6 +154,9 @@ the short one, or every number at ``--log-level debug``).
                 if _is_number(value):
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        numbers = {k: v for k, v in flat.items() if _is_number(v)}
+        for sink in self.sinks:
+            sink.log(step, numbers)
         if self.console:
             logger.info(format_line(step, flat, full=logger.isEnabledFor(logging.DEBUG)))
         return flat
@@ -151,6 +165,8 @@ the short one, or every number at ``--log-level debug``).
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in self.sinks:
+            sink.close()
 
     def __enter__(self) -> "MetricsLogger":
         return self

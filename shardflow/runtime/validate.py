@@ -8,6 +8,8 @@ the devices, the dataset, the reward function. Errors name the key and the value
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -15,16 +17,18 @@ from typing import NamedTuple
 import torch
 from transformers import AutoTokenizer
 
-from shardflow.config.experiment import ExperimentConfig
+from shardflow.config.experiment import ExperimentConfig, ModelSpec
 from shardflow.config.files import read_json
 from shardflow.config.model import ModelConfig
 from shardflow.data.prompts import Prompt, load_prompts
+from shardflow.data.sources import Source, check_source, source_of
 from shardflow.plan.execution_plan import ExecutionPlan, symmetric_plan
 from shardflow.rl.algorithms import algorithm_named
 from shardflow.rl.algorithms.base import Algorithm, check_knobs
 from shardflow.rl.envs import check_env
 from shardflow.rl.envs.tools import load_tools, tool_schema
-from shardflow.rl.graph import Graph, Kind
+from shardflow.rl.graph import Call, Graph, Kind
+from shardflow.rl.graphs import reward_call
 from shardflow.rl.rewards import reward_function, reward_kind
 from shardflow.runtime import checkpointing
 from shardflow.runtime.calls.rollouts import env_spec, episode_output_limit
@@ -46,6 +50,7 @@ class Prepared:
     prompts: list[Prompt]  # the dataset, read, checked and tokenized
     resume_dir: Path | None = None  # the checkpoint the run continues from
     resume_iteration: int = 0  # its iteration (0: a fresh start)
+    eval_prompts: list[Prompt] = ()  # the held-out prompts (eval.path or eval.dataset)
 
 
 class Checked(NamedTuple):
@@ -85,10 +90,30 @@ def check_config(config: ExperimentConfig) -> Checked:
         if optim.schedule != "constant" and steps <= optim.warmup_steps:
             raise ValueError(f"models.{role}.optim.schedule {optim.schedule!r} decays after the warm-up, but the "
                              f"run has {steps} optimizer step(s) and warmup_steps={optim.warmup_steps}")
-    if not config.data.path:
-        raise ValueError("data.path is required")
+    if bool(config.data.path) == bool(config.data.dataset):
+        raise ValueError("data.path or data.dataset is required (one of them, not both)")
     check_rollout(config, algorithm)
+    check_eval(config, algorithm.online)
     return Checked(config, algorithm, graph)
+
+
+def check_eval(config: ExperimentConfig, generates: bool) -> None:
+    """Held-out evaluation runs the generate call: it needs one, within the engine's lengths."""
+    ev = config.eval
+    if not ev.enabled:
+        return
+    if ev.path and ev.dataset:
+        raise ValueError("eval.path or eval.dataset names the held-out prompts (one of them, not both)")
+    if not generates:
+        raise ValueError(f"eval.* evaluates generated responses, and algorithm {config.algorithm.name} has no generate "
+                         "call; evaluate its checkpoints with 'shardflow eval CONFIG --checkpoint DIR'")
+    if ev.max_new_tokens > config.generation.max_new_tokens:
+        raise ValueError(f"eval.max_new_tokens ({ev.max_new_tokens}) must not exceed generation.max_new_tokens "
+                         f"({config.generation.max_new_tokens}), which sizes the generation engine")
+
+
+def eval_source(config: ExperimentConfig) -> Source:
+    return source_of(config.eval, "eval", allow_download=config.data.allow_download)
 
 
 def check_context(config: ExperimentConfig, actor: ModelConfig) -> None:
@@ -169,23 +194,97 @@ def prepare(config: ExperimentConfig) -> Prepared:
     plan = check_plan(config, graph, models)
     if algorithm.online:
         check_context(config, models["actor"])
-    data = Path(config.data.path)
-    if not data.is_file():
-        raise FileNotFoundError(f"data.path {data} does not exist")
-    if data.suffix not in (".jsonl", ".parquet"):
-        raise ValueError(f"data.path must be a .jsonl or .parquet file, got {data.name}")
+    check_source(source_of(config.data, "data"))
+    if config.eval.enabled:
+        check_source(eval_source(config))
+    check_loggers(config)
     reward = reward_kind(config.reward.kind)
     if reward.model is None and algorithm.online:
         reward_function(config.reward)  # a user's function that cannot be imported fails here, not on the ranks
     tokenizer = AutoTokenizer.from_pretrained(config.models["actor"].path)
     completions = tuple(getattr(config.data, key) for key in algorithm.completions)
-    tools = [tool_schema(fn) for fn in load_tools(list(config.rollout.tools)).values()]
-    needs_answer = algorithm.online and reward.model is None and config.reward.kind != "none"
-    prompts = load_prompts(config.data, tokenizer, require_answer=needs_answer, completions=completions,
-                           tools=tools, keep_rows=bool(config.rollout.env))
+    prompts = load_prompts(config.data, tokenizer, require_answer=algorithm.online and _needs_answer(config),
+                           completions=completions, tools=_tool_schemas(config), keep_rows=bool(config.rollout.env))
     resume_dir = check_resume(config, graph, plan)
     return Prepared(config, algorithm, graph, models, plan, backend, prompts, resume_dir,
-                    checkpointing.iteration_of(resume_dir) if resume_dir is not None else 0)
+                    checkpointing.iteration_of(resume_dir) if resume_dir is not None else 0,
+                    eval_prompts=load_eval_prompts(config, tokenizer) if config.eval.enabled else [])
+
+
+def _needs_answer(config: ExperimentConfig) -> bool:
+    """Whether the reward reads each row's reference answer."""
+    return reward_kind(config.reward.kind).model is None and config.reward.kind != "none"
+
+
+def _tool_schemas(config: ExperimentConfig) -> list[dict]:
+    return [tool_schema(fn) for fn in load_tools(list(config.rollout.tools)).values()]
+
+
+def load_eval_prompts(config: ExperimentConfig, tokenizer) -> list[Prompt]:
+    """The held-out prompts, read and checked as the training ones (``eval.max_prompts`` first)."""
+    prompts = load_prompts(config.data, tokenizer, source=eval_source(config), require_answer=_needs_answer(config),
+                           tools=_tool_schemas(config), keep_rows=bool(config.rollout.env))
+    return prompts[:config.eval.max_prompts] if config.eval.max_prompts else prompts
+
+
+# the optional logger packages, by the setting that turns each on
+LOGGER_PACKAGES = {"tensorboard": ("run.tensorboard", "tensorboard"), "wandb": ("run.wandb.enabled", "wandb"),
+                   "mlflow": ("run.mlflow.enabled", "mlflow")}
+
+
+def check_loggers(config: ExperimentConfig) -> None:
+    """Every logger that is on has its package installed."""
+    run = config.run
+    wanted = {"tensorboard": run.tensorboard, "wandb": run.wandb.enabled, "mlflow": run.mlflow.enabled}
+    for name, on in wanted.items():
+        key, package = LOGGER_PACKAGES[name]
+        if on and importlib.util.find_spec(package) is None:
+            raise ValueError(f"{key} needs the {package} package: pip install {package} (or pip install "
+                             f"'shardflow[{name}]'), or turn it off")
+
+
+def prepare_eval(config: ExperimentConfig, checkpoint: Path | None = None) -> Prepared:
+    """What ``shardflow eval`` needs: the generate call and the reward (a graph of their own, in the
+    plan's layouts for them or all devices), the actor from ``checkpoint`` when given, and the
+    held-out prompts; the training data is not read."""
+    if not config.eval.enabled:
+        raise ValueError("shardflow eval needs eval.path or eval.dataset (the held-out prompts)")
+    check_source(eval_source(config))
+    if checkpoint is not None:
+        actor = dataclasses.replace(config.models.get("actor", ModelSpec()), path=str(checkpoint_model(checkpoint)))
+        config = dataclasses.replace(config, models={**config.models, "actor": actor})
+    graph = Graph("eval", (Call("actor_gen", Kind.GENERATE, "actor", ("prompts",), ("responses",)),
+                           reward_call(config)))
+    for role in graph.models():
+        if not config.models.get(role, ModelSpec()).path:
+            raise ValueError(f"models.{role}.path is required (or --checkpoint for the actor)")
+    config = dataclasses.replace(config, models={role: config.models[role] for role in graph.models()})
+    reward_kind(config.reward.kind)
+    check_rollout(config, algorithm_named("grpo"))
+    models = model_configs(config, graph)
+    backend = resolve_backend(config)
+    if config.plan == "symmetric":
+        plan = symmetric_plan(graph, config.run.devices)
+    else:
+        full = ExecutionPlan.load(config.plan)
+        plan = ExecutionPlan({c.name: full[c.name] for c in graph.model_calls()})
+    plan.validate(graph, models, config.run.devices)
+    check_context(config, models["actor"])
+    if reward_kind(config.reward.kind).model is None:
+        reward_function(config.reward)
+    tokenizer = AutoTokenizer.from_pretrained(config.models["actor"].path)
+    return Prepared(config, algorithm_named(config.algorithm.name), graph, models, plan, backend, [],
+                    eval_prompts=load_eval_prompts(config, tokenizer))
+
+
+def checkpoint_model(path: Path) -> Path:
+    """The actor's checkpoint directory of ``path``: a model directory, or a run's checkpoint
+    (``iter-N``) that holds one under ``actor/``."""
+    if (path / "actor" / "config.json").is_file():
+        return path / "actor"
+    if (path / "config.json").is_file():
+        return path
+    raise FileNotFoundError(f"--checkpoint {path} holds no model (no config.json, nor actor/config.json)")
 
 
 def check_resume(config: ExperimentConfig, graph: Graph, plan: ExecutionPlan) -> Path | None:

@@ -26,6 +26,15 @@ from shardflow.rl.workers import WorkerPool
 from shardflow.runtime.models import ModelSlot
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How a generate call samples when not as the run's settings say (held-out evaluation)."""
+
+    samples_per_prompt: int
+    temperature: float
+    max_new_tokens: int  # at most generation.max_new_tokens: the engine's cache is sized by that
+
+
 @dataclass
 class CallReport:
     """What a call reports from this rank (merged over ranks by ``runtime.report``)."""
@@ -91,6 +100,7 @@ class CallContext:
     model: Transformer | None = None  # this rank's model in ``layout`` (None outside it)
     batch: SequenceBatch | None = None  # the call's inputs on this rank (joined by sample id)
     round: int = 0  # the generation round of the iteration (dynamic sampling generates several)
+    sampling: Sampling | None = None  # a generate call's sampling when not the run's
 
     @property
     def micro_batches(self) -> int | None:

@@ -30,14 +30,16 @@ from shardflow.models.transformer import Transformer
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
 from shardflow.perf.step_time import load_step_times
-from shardflow.runtime.calls.context import CallContext
+from shardflow.runtime.calls.context import CallContext, Sampling
 from shardflow.runtime.calls.rollouts import CallRollouts, episode_output_limit, pooled_scoring, replica_share_fn
 
 
 def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int, device: torch.device) -> EngineConfig:
-    """The generation settings as the engine of one replica of ``layout`` takes them."""
+    """The generation settings as the engine of one replica of ``layout`` takes them: KV slots for
+    its share of ``num_prompts`` prompts' samples, and for one prompt's evaluation samples."""
     gen = config.generation
-    per_replica = -(-num_prompts // layout.dp) * gen.samples_per_prompt
+    per_replica = max(-(-num_prompts // layout.dp) * gen.samples_per_prompt,
+                      config.eval.samples if config.eval.enabled else 1)
     return EngineConfig(
         max_seq_len=config.data.max_prompt_tokens + episode_output_limit(config) + 1,
         max_batch_size=max(1, per_replica),
@@ -51,16 +53,19 @@ def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int, de
 
 
 def generation_requests(config: ExperimentConfig, prompts: list[Prompt], iteration: int, *,
-                        greedy: bool = False, round: int = 0) -> list[Request]:
+                        greedy: bool = False, round: int = 0, sampling: Sampling | None = None) -> list[Request]:
     """The requests of one generate call: the same ids for every call of an iteration, so that a
     greedy baseline's responses join the sampled ones sample by sample; a later generation round
-    (dynamic sampling) draws from its own seed."""
+    (dynamic sampling) draws from its own seed; ``sampling`` overrides the run's settings."""
     gen = config.generation
     seed = derive_seed(config.run.seed, iteration) if round == 0 else derive_seed(config.run.seed, iteration, round)
-    params = SamplingParams(max_new_tokens=gen.max_new_tokens, temperature=0.0 if greedy else gen.temperature,
+    samples, temperature, max_new = gen.samples_per_prompt, gen.temperature, gen.max_new_tokens
+    if sampling is not None:
+        samples, temperature, max_new = sampling.samples_per_prompt, sampling.temperature, sampling.max_new_tokens
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0 if greedy else temperature,
                             top_k=gen.top_k, top_p=gen.top_p, seed=seed,
                             stop_token_ids=tuple(gen.stop_token_ids), ignore_eos=gen.force_length)
-    return make_requests([p.ids for p in prompts], params, gen.samples_per_prompt)
+    return make_requests([p.ids for p in prompts], params, samples)
 
 
 def run_generate(ctx: CallContext) -> SequenceBatch | None:
@@ -81,7 +86,7 @@ def _engine(ctx: CallContext, adaptive: bool) -> Any:
     current = engine.models[ctx.layout] if isinstance(engine, AdaptiveGenerator) else getattr(engine, "model", None)
     if engine is not None and current is model:
         return engine
-    config = engine_config(ctx.config, ctx.layout, len(ctx.prompts), ctx.world.device)
+    config = engine_config(ctx.config, ctx.layout, ctx.config.algorithm.batch_size, ctx.world.device)
     if adaptive:
         engine = adaptive_generator(ctx.world, model, ctx.plan[name].tp_targets, ctx.config.generation.adaptive,
                                     engine_config=config, eos_token_ids=ctx.state.eos_token_ids)
@@ -116,7 +121,8 @@ def _rollouts(ctx: CallContext, max_seq_len: int) -> CallRollouts | None:
 
 def _generate(ctx: CallContext, engine: GenerationEngine) -> SequenceBatch | None:
     config = ctx.config
-    requests = generation_requests(config, ctx.prompts, ctx.iteration, greedy=ctx.call.greedy, round=ctx.round)
+    requests = generation_requests(config, ctx.prompts, ctx.iteration, greedy=ctx.call.greedy, round=ctx.round,
+                                   sampling=ctx.sampling)
     c = ctx.layout.coord(ctx.world.rank)
     mine = replica_share(requests, ctx.layout.dp, c.dp)
     start = time.perf_counter()
@@ -147,7 +153,8 @@ def _generate(ctx: CallContext, engine: GenerationEngine) -> SequenceBatch | Non
 
 
 def _generate_adaptive(ctx: CallContext, generator: AdaptiveGenerator) -> SequenceBatch | None:
-    requests = generation_requests(ctx.config, ctx.prompts, ctx.iteration, greedy=ctx.call.greedy, round=ctx.round)
+    requests = generation_requests(ctx.config, ctx.prompts, ctx.iteration, greedy=ctx.call.greedy, round=ctx.round,
+                                   sampling=ctx.sampling)
     c = ctx.layout.coord(ctx.world.rank)
     side = _rollouts(ctx, generator.engines[generator.chain[0]].max_seq_len)
     episodes = None
