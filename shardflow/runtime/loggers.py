@@ -97,7 +97,8 @@ class MlflowSink:
         uri = settings.tracking_uri or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}"
         mlflow.set_tracking_uri(uri)
         if local and mlflow.get_experiment_by_name(settings.experiment) is None:  # artifacts beside the store
-            mlflow.create_experiment(settings.experiment, artifact_location=(out_dir / "mlartifacts").resolve().as_uri())
+            artifacts = (out_dir / "mlartifacts").resolve().as_uri()
+            mlflow.create_experiment(settings.experiment, artifact_location=artifacts)
         experiment = mlflow.set_experiment(settings.experiment)
         state = out_dir / "mlflow_run.json"
         run_id = _saved_id(state, tracking_uri=uri, experiment=settings.experiment) if resume else None
