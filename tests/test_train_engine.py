@@ -4,8 +4,6 @@ optimizer state."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from train_reference import TokenLoss, ValueLoss, assemble, make_batch, make_group_batch, reference_step, replica_share
@@ -124,47 +122,81 @@ def test_gradient_checkpointing_gives_the_same_gradients(pool, checkpoints):
             assert torch.equal(g, recomputed[1][name]), name  # the same operations, recomputed
 
 
-def resume_job(world, path: str, layout_text: str, batches):
-    """Engine A takes two steps. Engine B starts from the checkpoint, loads A's state after the
-    first step (through torch.save) and takes the second. Both must end bit for bit equal."""
-    layout = Layout.parse(layout_text)
-    world.create_groups([layout])
-    if world.rank not in layout:
-        return None
+def resume_job(world, path: str, layout_text: str, other_text: str, batches, saved: str):
+    """Engine A takes a step and saves its state by tensor name, then takes a second step. Engine
+    B (A's layout) loads the state and takes the second step: both must end bit for bit equal.
+    Engine C, in another layout, loads the same state: its slices are returned for assembly."""
+    layout, other = Layout.parse(layout_text), Layout.parse(other_text)
+    world.create_groups([layout, other])
     loss = TokenLoss()
 
-    def engine():
-        model, _ = load_model(path, layout, world)
-        return model, TrainEngine(model, layout, world, OPTIM, bucket_numel=BUCKET)
+    def engine(where):
+        model, _ = load_model(path, where, world)
+        return model, TrainEngine(model, where, world, OPTIM, bucket_numel=BUCKET)
 
-    model_a, a = engine()
-    a.step(replica_share(batches[0], layout, world.rank), loss, micro_batch_tokens=BUDGET)
-    saved = io.BytesIO()
-    torch.save(a.state_dict(), saved)
-    metrics_a = a.step(replica_share(batches[1], layout, world.rank), loss, micro_batch_tokens=BUDGET)
+    out = {}
+    if world.rank in layout:
+        model_a, a = engine(layout)
+        a.step(replica_share(batches[0], layout, world.rank), loss, micro_batch_tokens=BUDGET)
+        a.save_state(saved)
+        out["a"] = pieces(a)
+    world.barrier()
+    if world.rank in layout:
+        metrics_a = a.step(replica_share(batches[1], layout, world.rank), loss, micro_batch_tokens=BUDGET)
+        model_b, b = engine(layout)
+        b.load_state(saved)
+        metrics_b = b.step(replica_share(batches[1], layout, world.rank), loss, micro_batch_tokens=BUDGET)
+        same = all(torch.equal(p, q) for p, q in zip(model_a.parameters(), model_b.parameters()))
+        same &= all(torch.equal(x, y) for x, y in zip(
+            (a.optimizer.master, a.optimizer.exp_avg, a.optimizer.exp_avg_sq),
+            (b.optimizer.master, b.optimizer.exp_avg, b.optimizer.exp_avg_sq)))
+        out["resumed"] = (same, metrics_a, metrics_b, a.step_count, b.step_count)
+    if world.rank in other:
+        model_c, c = engine(other)
+        c.load_state(saved)
+        out["c"] = pieces(c)
+        out["c_weights_are_master"] = all(torch.equal(p.float(), m) for p, m in zip(c._params, c._master_views))
+    return out
 
-    model_b, b = engine()
-    saved.seek(0)
-    state = torch.load(saved, weights_only=True)
-    with pytest.raises(ValueError, match="resuming needs the layout the state was saved under"):
-        b.load_state_dict({**state, "layout": "d1p1t1@0"})
-    b.load_state_dict(state)
-    metrics_b = b.step(replica_share(batches[1], layout, world.rank), loss, micro_batch_tokens=BUDGET)
-    same = all(torch.equal(p, q) for p, q in zip(model_a.parameters(), model_b.parameters()))
-    same &= all(torch.equal(x, y) for x, y in zip(
-        (a.optimizer.master, a.optimizer.exp_avg, a.optimizer.exp_avg_sq),
-        (b.optimizer.master, b.optimizer.exp_avg, b.optimizer.exp_avg_sq)))
-    return same, metrics_a, metrics_b, a.step_count, b.step_count
+
+def pieces(engine) -> dict:
+    """The engine's optimizer state as (full shape, where in the full tensor, values) per name."""
+    shard = engine.shard.tensors
+    return {kind: {n: (shard[n].full_shape, shard[n].full_slices(), t[shard[n].local_slices()].clone())
+                   for n, t in views.items()} for kind, views in engine._state_views().items()}
 
 
-def test_resume_from_optimizer_state_is_identical(pool, checkpoints):
+def assembled(parts: list[dict]) -> dict:
+    """Full tensors from the ranks' pieces."""
+    full: dict = {}
+    for part in parts:
+        for kind, tensors in part.items():
+            for name, (shape, where, values) in tensors.items():
+                full.setdefault(kind, {}).setdefault(name, torch.full(shape, float("nan")))[where] = values
+    return full
+
+
+def test_resume_from_optimizer_state_by_name_under_the_same_and_another_layout(pool, checkpoints, tmp_path):
     path = checkpoints.get("llama", "llama")
     batches = [make_batch(128, seed=1), make_batch(128, seed=2)]
-    results = [r for r in pool.run(resume_job, path, "d2p2t1@0-3", batches) if r is not None]
-    assert len(results) == 4
-    for same, metrics_a, metrics_b, steps_a, steps_b in results:
+    results = pool.run(resume_job, path, "d2p2t1@0-3", "d1p2t2@4-7", batches, str(tmp_path / "state"))
+    resumed = [r["resumed"] for r in results if "resumed" in r]
+    assert len(resumed) == 4
+    for same, metrics_a, metrics_b, steps_a, steps_b in resumed:
         assert same and metrics_a == metrics_b and steps_a == steps_b == 2
         assert metrics_a["lr"] == pytest.approx(OPTIM.lr)  # second warmup step: full rate
+    # the other layout holds exactly the saved state, sliced its own way, and its weights are set from it
+    before, loaded = assembled([r["a"] for r in results if "a" in r]), assembled([r["c"] for r in results if "c" in r])
+    assert before.keys() == loaded.keys() == {"master", "exp_avg", "exp_avg_sq"}
+    for kind in before:
+        assert before[kind].keys() == loaded[kind].keys()
+        for name, tensor in before[kind].items():
+            assert not tensor.isnan().any() and torch.equal(tensor, loaded[kind][name]), (kind, name)
+    assert all(r["c_weights_are_master"] for r in results if "c" in r)
+    # what is on disk: safetensors and JSON, nothing pickled
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["exp_avg", "exp_avg_sq", "master",
+                                                                      "optimizer.json"]
+    assert not list((tmp_path / "state").rglob("*.pt")) and not list((tmp_path / "state").rglob("*.pkl"))
 
 
 def count_job(world, path: str, layout_text: str, batch):

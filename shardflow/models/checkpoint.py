@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -101,16 +102,22 @@ def expected_shapes(shard: RankShard) -> dict[str, tuple[int, ...]]:
 @torch.no_grad()
 def load_weights(model: torch.nn.Module, shard: RankShard, path: str | Path) -> None:
     """Fill ``model``'s parameters with this rank's slices of the checkpoint at ``path``."""
-    reader = CheckpointReader(path)
-    reader.check(expected_shapes(shard))
     params = dict(model.named_parameters())
     assert set(params) == set(shard.tensors), (set(params) ^ set(shard.tensors))
+    load_tensors(params, shard, path)
+
+
+@torch.no_grad()
+def load_tensors(tensors: dict[str, torch.Tensor], shard: RankShard, path: str | Path) -> None:
+    """Fill each local tensor (named as the shard's parameters) with its slice of the full tensors
+    saved at ``path`` (``save_tensors``): what resharding at load time is."""
+    reader = CheckpointReader(path)
+    reader.check(expected_shapes(shard))
     for name, ts in shard.tensors.items():
-        param = params[name]
-        piece = reader.read(ts)
+        local = tensors[name]
         if ts.padded:
-            param.zero_()
-        param[ts.local_slices()].copy_(piece)
+            local.zero_()
+        local[ts.local_slices()].copy_(reader.read(ts))
 
 
 def _holders(cfg: ModelConfig, layout: Layout) -> dict[str, list[tuple[int, TensorShard]]]:
@@ -136,16 +143,39 @@ def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, layout: Layout, ra
                     *, tokenizer_dir: str | Path | None = None, dtype: torch.dtype | None = None,
                     max_shard_bytes: int = 4 << 30) -> None:
     """Write a Hugging Face checkpoint of the model. Every rank of ``layout`` calls this."""
+    def extra(tmp: Path, tensor_dtype: torch.dtype) -> None:
+        config = dict(cfg.hf_config)
+        config["dtype"] = str(tensor_dtype).removeprefix("torch.")
+        config.pop("torch_dtype", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if tokenizer_dir is not None:
+            for fname in TOKENIZER_FILES:
+                src = Path(tokenizer_dir) / fname
+                if src.is_file():
+                    shutil.copy2(src, tmp / fname)
+
+    save_tensors(dict(model.named_parameters()), cfg, layout, rank, path, dtype=dtype,
+                 max_shard_bytes=max_shard_bytes, finish=extra)
+
+
+@torch.no_grad()
+def save_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout, rank: int, path: str | Path,
+                 *, dtype: torch.dtype | None = None, max_shard_bytes: int = 4 << 30,
+                 finish: Callable[[Path, torch.dtype], None] | None = None) -> None:
+    """Write local tensors named and sliced as the layout's parameters (the weights, or optimizer
+    state laid out like them) as full tensors under their HF names: safetensors files (with an
+    index when several), in a temporary directory renamed to ``path`` once complete. The ranks
+    of data-parallel replica 0 send their slices to the layout's first rank, which writes
+    (``finish(tmp, dtype)`` adds files before the rename). Every rank of ``layout`` calls this."""
     path = Path(path)
     writer = layout.ranks[0]
-    params = dict(model.named_parameters())
     holders = _holders(cfg, layout)
     names = checkpoint_tensor_names(cfg)
     if rank != writer:
         for name in names:
             for holder, ts in holders[name]:
                 if holder == rank:
-                    dist.send(params[name][ts.local_slices()].contiguous(), dst=writer)
+                    dist.send(tensors[name][ts.local_slices()].contiguous(), dst=writer)
         return
 
     tmp = path.with_name(path.name + ".tmp")
@@ -153,12 +183,13 @@ def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, layout: Layout, ra
     tmp.mkdir(parents=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
+    local_dtype = next(iter(tensors.values())).dtype
     for name in names:
         first_ts = holders[name][0][1]
-        full = torch.empty(first_ts.full_shape, dtype=next(iter(params.values())).dtype, device=model_device(params))
+        full = torch.empty(first_ts.full_shape, dtype=local_dtype, device=model_device(tensors))
         for holder, ts in holders[name]:
             if holder == rank:
-                full[ts.full_slices()] = params[name][ts.local_slices()]
+                full[ts.full_slices()] = tensors[name][ts.local_slices()]
             else:
                 piece = torch.empty(ts.piece_shape(), dtype=full.dtype, device=full.device)
                 dist.recv(piece, src=holder)
@@ -170,12 +201,9 @@ def save_checkpoint(model: torch.nn.Module, cfg: ModelConfig, layout: Layout, ra
             size = 0
         shards[-1][name] = tensor
         size += nbytes
-    _write_files(tmp, shards, cfg, tensor_dtype=next(iter(shards[0].values())).dtype)
-    if tokenizer_dir is not None:
-        for fname in TOKENIZER_FILES:
-            src = Path(tokenizer_dir) / fname
-            if src.is_file():
-                shutil.copy2(src, tmp / fname)
+    _write_files(tmp, shards)
+    if finish is not None:
+        finish(tmp, next(iter(shards[0].values())).dtype)
     if path.exists():
         shutil.rmtree(path)
     os.replace(tmp, path)
@@ -185,25 +213,20 @@ def model_device(params: dict[str, torch.Tensor]) -> torch.device:
     return next(iter(params.values())).device
 
 
-def _write_files(directory: Path, shards: list[dict[str, torch.Tensor]], cfg: ModelConfig,
-                 tensor_dtype: torch.dtype) -> None:
+def _write_files(directory: Path, shards: list[dict[str, torch.Tensor]]) -> None:
     metadata = {"format": "pt"}
     if len(shards) == 1:
         save_file(shards[0], str(directory / SINGLE_FILE), metadata=metadata)
-    else:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(directory / fname), metadata=metadata)
-            for name, t in shard.items():
-                weight_map[name] = fname
-                total += t.numel() * t.element_size()
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    config = dict(cfg.hf_config)
-    config["dtype"] = str(tensor_dtype).removeprefix("torch.")
-    config.pop("torch_dtype", None)
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / fname), metadata=metadata)
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
 def load_model(path: str | Path, layout: Layout, world, dtype: torch.dtype = torch.float32,

@@ -2,9 +2,17 @@
 
 Layout under ``<out_dir>/checkpoints``:
 
-    iter-000010/          one complete checkpoint (HF weights per trained model, per-rank state)
+    iter-000010/          one complete checkpoint:
+        actor/            HF weights (safetensors) and tokenizer of each trained model
+        actor-optimizer/  its optimizer state by tensor name: master/, exp_avg/, exp_avg_sq/
+                          (full tensors under the HF names) and optimizer.json (the step)
+        ranks/            each rank's random generators and length predictors (JSON)
+        state.json        iteration, data position, KL controller, format
     latest                name of the newest complete checkpoint (replaced atomically)
     tmp-000012/           a checkpoint being written (ignored, removed on the next save)
+
+Nothing in it is pickled, and nothing depends on the layout it was written under: a run resumes
+under another plan or device count, each rank reading its own slices.
 
 Every rank writes its own files into ``tmp-N``; after a barrier the first rank renames it to
 ``iter-N`` and only then points ``latest`` at it. Resume reads ``latest``, nothing else.
@@ -17,6 +25,7 @@ import shutil
 from pathlib import Path
 
 LATEST = "latest"
+CHECKPOINT_FORMAT = 2  # 2: optimizer state by tensor name, no pickle (1: one pickle per rank)
 
 
 def checkpoint_root(out_dir: Path) -> Path:

@@ -10,6 +10,7 @@ updates the adaptive KL coefficient from the same numbers.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import logging
@@ -26,6 +27,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from shardflow.config.experiment import ExperimentConfig, ModelSpec
+from shardflow.config.files import read_json
 from shardflow.data.batch import SequenceBatch
 from shardflow.data.prompts import PromptSampler, completion_batch
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
@@ -237,15 +239,18 @@ class Run:
             if world.rank in slot.home:
                 save_checkpoint(slot.home_model, slot.cfg, slot.home, world.rank, staging / role,
                                 tokenizer_dir=self.config.models["actor"].path)
-        state = {role: slot.engine.state_dict() for role, slot in self.slots.items() if slot.engine is not None}
+        for role, slot in self.slots.items():
+            if slot.engine is not None:  # the trained models' optimizers, by tensor name (any layout reads them)
+                slot.engine.save_state(staging / optimizer_dir(role))
         predictors = {name: g.predictor.state_dict() for name, g in self._generators().items()
                       if g.predictor is not None}
-        torch.save({"engines": state, "rng": torch.get_rng_state(), "np_rng": np.random.get_state(),
-                    "py_rng": random.getstate(), "length_predictors": predictors},
-                   staging / f"rank{world.rank:05d}.pt")
+        rank_file = staging / "ranks" / f"rank{world.rank:05d}.json"
+        rank_file.parent.mkdir(parents=True, exist_ok=True)
+        rank_file.write_text(json.dumps({"rng": rng_state(), "length_predictors": predictors}))
         if world.rank == 0:
             (staging / "state.json").write_text(json.dumps({
                 "iteration": it, "sampler": self.sampler.state_dict(), "kl": self.state.kl.state_dict(),
+                "world_size": world.size, "format": checkpointing.CHECKPOINT_FORMAT,
                 "layouts": {role: str(slot.home) for role, slot in self.slots.items() if slot.engine is not None}},
                 indent=2))
         world.barrier()
@@ -254,17 +259,41 @@ class Run:
         world.barrier()
 
     def _restore(self, path: Path) -> None:
-        state = json.loads((path / "state.json").read_text())
+        """Continue from the checkpoint at ``path``, under this run's plan and device count: each
+        trained model's optimizer state is read slice by slice for its home layout now."""
+        state = read_json(path / "state.json", "checkpoint state")
         self.start_iteration = int(state["iteration"])
         self.sampler.load_state_dict(state["sampler"])
         self.state.kl.load_state_dict(state["kl"])
-        mine = torch.load(path / f"rank{self.world.rank:05d}.pt", weights_only=False)
-        for role, engine_state in mine["engines"].items():
-            self.slots[role].engine.load_state_dict(engine_state)
-        self.state.predictor_states = mine.get("length_predictors", {})
-        torch.set_rng_state(mine["rng"])
-        np.random.set_state(mine["np_rng"])
-        random.setstate(mine["py_rng"])
+        for role, slot in self.slots.items():
+            if slot.engine is not None:
+                slot.engine.load_state(path / optimizer_dir(role))
+        mine = path / "ranks" / f"rank{self.world.rank:05d}.json"
+        ranks = json.loads((mine if mine.is_file() else path / "ranks" / "rank00000.json").read_text())
+        self.state.predictor_states = ranks.get("length_predictors", {})
+        if mine.is_file() and state.get("world_size") == self.world.size:  # the same ranks: their random streams go on
+            set_rng_state(ranks["rng"])
+
+
+def optimizer_dir(role: str) -> str:
+    """Where a checkpoint keeps a trained model's optimizer state."""
+    return f"{role}-optimizer"
+
+
+def rng_state() -> dict:
+    """This process's random generators' states, as JSON values."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+            "numpy": [name, keys.tolist(), pos, has_gauss, cached], "python": [version, list(internal), gauss]}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
 
 
 @dataclass

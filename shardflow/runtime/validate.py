@@ -288,16 +288,19 @@ def checkpoint_model(path: Path) -> Path:
 
 
 def check_resume(config: ExperimentConfig, graph: Graph, plan: ExecutionPlan) -> Path | None:
-    """The checkpoint to continue from (None: a fresh start). Its optimizer state is sliced by the
-    layout it was saved under, so a plan that trains a model in another layout is refused."""
+    """The checkpoint to continue from (None: a fresh start). Any plan and device count can resume
+    it (its optimizer state is by tensor name); one written in the per-rank pickle format of
+    earlier versions cannot."""
     latest = checkpointing.latest(config.run.output_dir) if config.run.resume else None
     if latest is None:
         return None
-    saved = read_json(latest / "state.json", "checkpoint state").get("layouts", {})
-    for role, layout in saved.items():
-        now = str(plan[graph.home_call(role).name].layout)
-        if role in graph.models() and layout != now:
-            raise ValueError(f"run.resume: the checkpoint {latest} holds models.{role}'s optimizer state in layout "
-                             f"{layout}, but the plan trains it in {now}; resume with that layout, or set "
-                             "run.resume=false to start afresh")
+    state = read_json(latest / "state.json", "checkpoint state")
+    if state.get("format", 1) < checkpointing.CHECKPOINT_FORMAT:
+        raise ValueError(f"run.resume: the checkpoint {latest} keeps its optimizer state in per-rank pickles (an "
+                         "earlier shardflow), which this version does not load; set run.resume=false to start "
+                         "afresh")
+    for role in graph.trained_models():
+        if not (latest / f"{role}-optimizer" / "optimizer.json").is_file():
+            raise ValueError(f"run.resume: the checkpoint {latest} holds no optimizer state of models.{role} (was it "
+                             "written by another algorithm?); set run.resume=false to start afresh")
     return latest

@@ -18,11 +18,14 @@ happens per micro-batch (micro-batches reach the device before the pipeline star
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 
 from shardflow.config.experiment import OptimConfig
+from shardflow.config.files import read_json
 from shardflow.data.batch import SequenceBatch
 from shardflow.engine.outputs import LM_OUTPUTS, VALUE_OUTPUTS, token_outputs
 from shardflow.engine.pipeline import StageLinks, train_1f1b
@@ -31,6 +34,7 @@ from shardflow.engine.train.grad_buffer import GradBuffer
 from shardflow.engine.train.grad_sync import global_grad_norm, sum_partial_tp_grads, sum_tied_embedding_grads
 from shardflow.engine.train.loss_fn import LossFn
 from shardflow.engine.train.optimizer import AdamW, lr_at
+from shardflow.models.checkpoint import load_tensors, save_tensors
 from shardflow.models.transformer import Transformer
 from shardflow.parallel import comm
 from shardflow.parallel.layout import Layout
@@ -38,6 +42,7 @@ from shardflow.parallel.sharding import unique_tensors
 from shardflow.parallel.world import World
 
 DEFAULT_BUCKET_NUMEL = 1 << 24  # 64 MiB of float32 gradients per dp all-reduce
+OPTIMIZER_TENSORS = ("master", "exp_avg", "exp_avg_sq")  # what a checkpoint of the optimizer holds
 
 
 class TrainEngine:
@@ -178,36 +183,35 @@ class TrainEngine:
 
     # ----- state for resume ----------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        """Optimizer and schedule state of this rank (the live tensors: save before stepping on).
-
-        It resumes only under the same layout and rank, which it records."""
-        return {
-            "layout": str(self.layout),
-            "rank": self.world.rank,
-            "step": self.step_count,
-            "params": [(n, tuple(p.shape)) for n, p in zip(self.grads.names, self._params)],
-            "master": self.optimizer.master,
-            "exp_avg": self.optimizer.exp_avg,
-            "exp_avg_sq": self.optimizer.exp_avg_sq,
-        }
+    def _state_views(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer's tensors by kind, each as views shaped like this rank's parameters."""
+        spans = [self.grads.slices[n] for n in self.grads.names]
+        return {kind: {n: getattr(self.optimizer, kind)[a:b].view(p.shape)
+                       for n, p, (a, b) in zip(self.grads.names, self._params, spans)}
+                for kind in OPTIMIZER_TENSORS}
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        """Restore optimizer and schedule state, and the model's weights from the master copy."""
-        here = (str(self.layout), self.world.rank)
-        saved = (state.get("layout"), state.get("rank"))
-        if saved != here:
-            raise ValueError(
-                f"optimizer state was saved by rank {saved[1]} of layout {saved[0]}, but this is rank "
-                f"{here[1]} of {here[0]}; resuming needs the layout the state was saved under"
-            )
-        mine = [(n, tuple(p.shape)) for n, p in zip(self.grads.names, self._params)]
-        if [tuple(x) for x in state["params"]] != mine:
-            raise ValueError("optimizer state holds different parameters than this model "
-                             "(another model or config?)")
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            getattr(self.optimizer, key).copy_(state[key])
+    def save_state(self, path: str | Path) -> None:
+        """Write the optimizer's state by tensor name, independent of the layout: each kind
+        (``master``, ``exp_avg``, ``exp_avg_sq``) as full float32 tensors under the parameters'
+        HF names in ``path/KIND`` (safetensors), the step count in ``path/optimizer.json``. Every
+        rank of the layout calls this."""
+        path = Path(path)
+        for kind, tensors in self._state_views().items():
+            save_tensors(tensors, self.cfg, self.layout, self.world.rank, path / kind)
+        if self.world.rank == self.layout.ranks[0]:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "optimizer.json").write_text(json.dumps({"step": self.step_count, "saved_layout": str(self.layout),
+                                                             "kinds": list(OPTIMIZER_TENSORS)}, indent=2))
+
+    @torch.no_grad()
+    def load_state(self, path: str | Path) -> None:
+        """Restore what ``save_state`` wrote under any layout: each rank reads its own slices (a
+        checkpoint resharded at load time), and the model's weights are set from the master copy."""
+        path = Path(path)
+        state = read_json(path / "optimizer.json", "optimizer state")
+        for kind, tensors in self._state_views().items():
+            load_tensors(tensors, self.shard, path / kind)
         self.step_count = int(state["step"])
         torch._foreach_copy_(self._params, self._master_views)
 
