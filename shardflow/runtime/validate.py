@@ -295,6 +295,8 @@ def check_resume(config: ExperimentConfig, graph: Graph, plan: ExecutionPlan) ->
     if latest is None:
         return None
     state = read_json(latest / "state.json", "checkpoint state")
+    if int(state.get("iteration", 0)) >= config.run.iterations:
+        return latest  # nothing left to run: nothing of it is loaded
     if state.get("format", 1) < checkpointing.CHECKPOINT_FORMAT:
         raise ValueError(f"run.resume: the checkpoint {latest} keeps its optimizer state in per-rank pickles (an "
                          "earlier shardflow), which this version does not load; set run.resume=false to start "
