@@ -109,3 +109,25 @@ def test_a_model_that_fits_nowhere_is_named():
                 workload=Workload(prompts=8, prompt_tokens=128, max_new_tokens=128, response_mean=64))
     with pytest.raises(ValueError, match="call 'actor_train': model 'actor' .* does not fit on any device set"):
         Space(p)
+
+
+def test_the_sharded_optimizer_opens_data_parallel_training_layouts():
+    """A 7B-class model trained on 8 devices of 60 GB: pure data parallelism holds the whole
+    model's optimizer state per rank and does not fit; with the optimizer sharded over the 8
+    replicas it does (estimated memory, before any search)."""
+    from shardflow.plan.memory import Precision, Shape, trained_state_bytes
+
+    big = llama(hidden=4096, layers=32, heads=32, kv=8, inter=11008)
+    p = Precision()
+    whole, split = (trained_state_bytes(big, Shape(1, 8, 1), p, sharded=s) for s in (False, True))
+    assert split == pytest.approx(whole * (2 + 4 + 12 / 8) / 18)
+    workload = Workload(prompts=8, prompt_tokens=128, max_new_tokens=128, response_mean=64)
+
+    def train_shapes(sharded: bool):
+        problem = Problem(graph=grpo_graph(), models={"actor": big, "ref": big},
+                          cluster=Cluster.for_devices(8, memory_bytes=60e9), workload=workload,
+                          shard_optimizer={"actor": sharded})
+        return Space(problem).shapes(problem.calls[2], 8)
+
+    assert (1, 8, 1) not in train_shapes(False)
+    assert (1, 8, 1) in train_shapes(True)

@@ -27,28 +27,32 @@ BUCKET = 20_000  # small dp buckets, so that a step reduces several of them
 
 CASES = {
     # 4 heads, 2 KV heads: tp=4 replicates KV heads; pp=4 puts one layer on each stage.
+    # +gc: gradient checkpointing; +zero: the optimizer state sharded over dp (ZeRO-1)
     "llama": (dict(family="llama"), ["d1p1t1@0", "d1p2t1@0-1", "d2p1t1@0-1", "d1p1t2@0-1", "d1p1t4@0-3",
-                                     "d2p2t2@0-7", "d1p4t2@0-7", "d1p2t2@0-3+gc"]),
+                                     "d2p2t2@0-7", "d1p4t2@0-7", "d1p2t2@0-3+gc", "d2p1t1@0-1+zero",
+                                     "d4p1t1@0-3+zero", "d4p1t2@0-7+zero", "d2p2t2@0-7+gc+zero"]),
     # q/k norms (partial gradients over tp) and a tied embedding split over pipeline stages.
-    "qwen3_qknorm": (dict(family="qwen3", tie_word_embeddings=True), ["d1p2t2@0-3", "d2p2t1@0-3", "d1p1t4@0-3"]),
+    "qwen3_qknorm": (dict(family="qwen3", tie_word_embeddings=True), ["d1p2t2@0-3", "d2p2t1@0-3", "d1p1t4@0-3",
+                                                                      "d2p2t1@0-3+zero"]),
     # q/k/v biases (replicated KV heads' biases are partial too) and a vocabulary padded for tp=4.
-    "qwen2_bias": (dict(family="qwen2", vocab_size=130), ["d1p1t4@0-3", "d2p2t2@0-7"]),
+    "qwen2_bias": (dict(family="qwen2", vocab_size=130), ["d1p1t4@0-3", "d2p2t2@0-7", "d2p1t4@0-7+zero"]),
     "llama_value": (dict(family="llama", value_head=True), ["d1p2t2@0-3", "d2p1t1@0-1"]),
 }
 
 
 def train_job(world, path: str, runs: list[str], batch, value_head: bool, budget: int = BUDGET,
               share_prompts: bool = False):
-    """One step per run (a layout, ``+gc`` for gradient checkpointing) on the ranks of its layout."""
-    layouts = [Layout.parse(r.removesuffix("+gc")) for r in runs]
+    """One step per run (a layout, ``+gc`` for gradient checkpointing, ``+zero`` for the sharded
+    optimizer) on the ranks of its layout."""
+    layouts = [run_layout(r) for r in runs]
     world.create_groups(layouts)
     out = {}
     for run, layout in zip(runs, layouts):
         if world.rank not in layout:
             continue
         model, _ = load_model(path, layout, world)
-        engine = TrainEngine(model, layout, world, OPTIM, gradient_checkpointing=run.endswith("+gc"),
-                             bucket_numel=BUCKET)
+        engine = TrainEngine(model, layout, world, OPTIM, gradient_checkpointing="+gc" in run,
+                             bucket_numel=BUCKET, shard_optimizer="+zero" in run)
         loss = ValueLoss() if value_head else TokenLoss()
         metrics = engine.step(replica_share(batch, layout, world.rank), loss, micro_batch_tokens=budget,
                               share_prompts=share_prompts)
@@ -56,6 +60,10 @@ def train_job(world, path: str, runs: list[str], batch, value_head: bool, budget
         grads = {n: g.clone() for n, g in engine.grads.views.items()}  # after clipping
         out[run] = (weights, grads, metrics)
     return out
+
+
+def run_layout(run: str) -> Layout:
+    return Layout.parse(run.split("+")[0])
 
 
 # float32 everywhere. Layouts change summation orders (tp splits of matrix products, micro-batch
@@ -86,7 +94,7 @@ def test_train_step_matches_single_process(pool, checkpoints, case, shared):
 
     results = pool.run(train_job, path, runs, batch, cfg.value_head, budget, shared)
     for run in runs:
-        layout = Layout.parse(run.removesuffix("+gc"))
+        layout = run_layout(run)
         weights = assemble(cfg, layout, {r: res[run][0] for r, res in enumerate(results) if run in res})
         grads = assemble(cfg, layout, {r: res[run][1] for r, res in enumerate(results) if run in res})
         assert sorted(weights) == sorted(ref_weights)
@@ -122,7 +130,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(pool, checkpoints):
             assert torch.equal(g, recomputed[1][name]), name  # the same operations, recomputed
 
 
-def resume_job(world, path: str, layout_text: str, other_text: str, batches, saved: str):
+def resume_job(world, path: str, layout_text: str, other_text: str, batches, saved: str, sharded: bool):
     """Engine A takes a step and saves its state by tensor name, then takes a second step. Engine
     B (A's layout) loads the state and takes the second step: both must end bit for bit equal.
     Engine C, in another layout, loads the same state: its slices are returned for assembly."""
@@ -132,7 +140,7 @@ def resume_job(world, path: str, layout_text: str, other_text: str, batches, sav
 
     def engine(where):
         model, _ = load_model(path, where, world)
-        return model, TrainEngine(model, where, world, OPTIM, bucket_numel=BUCKET)
+        return model, TrainEngine(model, where, world, OPTIM, bucket_numel=BUCKET, shard_optimizer=sharded)
 
     out = {}
     if world.rank in layout:
@@ -155,7 +163,8 @@ def resume_job(world, path: str, layout_text: str, other_text: str, batches, sav
         model_c, c = engine(other)
         c.load_state(saved)
         out["c"] = pieces(c)
-        out["c_weights_are_master"] = all(torch.equal(p.float(), m) for p, m in zip(c._params, c._master_views))
+        master = c._state_views()["master"]
+        out["c_weights_are_master"] = all(torch.equal(p.float(), master[n]) for n, p in zip(c.grads.names, c._params))
     return out
 
 
@@ -176,10 +185,12 @@ def assembled(parts: list[dict]) -> dict:
     return full
 
 
-def test_resume_from_optimizer_state_by_name_under_the_same_and_another_layout(pool, checkpoints, tmp_path):
+@pytest.mark.parametrize("sharded", [False, True])
+def test_resume_from_optimizer_state_by_name_under_the_same_and_another_layout(pool, checkpoints, tmp_path, sharded):
     path = checkpoints.get("llama", "llama")
     batches = [make_batch(128, seed=1), make_batch(128, seed=2)]
-    results = pool.run(resume_job, path, "d2p2t1@0-3", "d1p2t2@4-7", batches, str(tmp_path / "state"))
+    other = "d2p1t2@4-7" if sharded else "d1p2t2@4-7"
+    results = pool.run(resume_job, path, "d2p2t1@0-3", other, batches, str(tmp_path / "state"), sharded)
     resumed = [r["resumed"] for r in results if "resumed" in r]
     assert len(resumed) == 4
     for same, metrics_a, metrics_b, steps_a, steps_b in resumed:
@@ -218,3 +229,28 @@ def test_collectives_of_a_step(pool, checkpoints):
     for counts, buckets, micro, last in filter(None, results):
         assert buckets > 1 and micro > 1
         assert counts == {"all_reduce": 1 + buckets + int(last) + 1, "isend": micro, "irecv": micro}
+
+
+def bytes_job(world, path: str, layout_text: str):
+    layout = Layout.parse(layout_text)
+    world.create_groups([layout])
+    if world.rank not in layout:
+        return None
+    sizes = []
+    for sharded in (False, True):
+        model, _ = load_model(path, layout, world)
+        engine = TrainEngine(model, layout, world, OPTIM, bucket_numel=BUCKET, shard_optimizer=sharded)
+        sizes.append(engine.optimizer_bytes())
+        engine.close()
+    return sizes
+
+
+@pytest.mark.parametrize("layout", ["d2p1t1@0-1", "d4p1t1@0-3", "d4p1t2@0-7"])
+def test_the_sharded_optimizer_holds_one_dp_th_of_the_state(pool, checkpoints, layout):
+    """Measured from the tensors: the master weights and moments per rank are 1/dp of the unsharded
+    ones, plus less than one element per replica of padding."""
+    dp = Layout.parse(layout).dp
+    for sizes in pool.run(bytes_job, checkpoints.get("llama", "llama"), layout):
+        if sizes is not None:
+            whole, part = sizes
+            assert whole / dp <= part <= whole / dp + 3 * 4 * dp, (whole, part)

@@ -44,6 +44,8 @@ class ModelSpec(Settings):
     dtype: str = setting("auto", "compute dtype (auto: bfloat16 on GPU, float32 on CPU)",
                          choices=("auto", "bfloat16", "float32"))
     gradient_checkpointing: bool = setting(False, "recompute activations in backward (trained models)")
+    shard_optimizer: bool = setting(False, "split fp32 master weights and AdamW moments over the training call's "
+                                           "data-parallel replicas (ZeRO-1: 1/dp of that state per rank)")
     compile: bool = setting(True, "torch.compile the decoder layers for training and inference on GPUs")
     offload: bool = setting(False, "keep a frozen model's weights in CPU memory between its calls")
     optim: OptimConfig = section(OptimConfig, "optimizer (trained models)")

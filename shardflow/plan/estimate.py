@@ -126,7 +126,8 @@ def estimate(problem: Problem, plan: Plan, *, events: bool = False) -> Estimate:
     resident = np.zeros(n)  # bytes that stay on each device between calls
     for m, layout in home.items():
         if problem.trained(m):
-            resident[_index(layout)] += mem.trained_state_bytes(problem.models[m], layout, p)
+            resident[_index(layout)] += mem.trained_state_bytes(problem.models[m], layout, p,
+                                                                sharded=problem.shard_optimizer.get(m, False))
         elif not problem.offload.get(m, False):
             resident[_index(layout)] += mem.weight_bytes(problem.models[m], layout, p)
 

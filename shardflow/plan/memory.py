@@ -81,9 +81,11 @@ def decode_copy_bytes(cfg: ModelConfig, tp: int, p: Precision, transposed: bool)
     return (cfg.num_layers * per_layer + head) * p.param_bytes
 
 
-def trained_state_bytes(cfg: ModelConfig, layout: AnyLayout, p: Precision) -> float:
-    """Weights, gradients and optimizer state of a trained model in its home layout."""
-    return rank_params(cfg, layout.pp, layout.tp) * p.trained_bytes
+def trained_state_bytes(cfg: ModelConfig, layout: AnyLayout, p: Precision, *, sharded: bool = False) -> float:
+    """Weights, gradients and optimizer state of a trained model in its home layout; ``sharded``:
+    the optimizer state split over the layout's data-parallel replicas (ZeRO-1)."""
+    optimizer = p.optimizer_bytes / layout.dp if sharded else p.optimizer_bytes
+    return rank_params(cfg, layout.pp, layout.tp) * (p.param_bytes + p.grad_bytes + optimizer)
 
 
 def _stored_per_token_layer(cfg: ModelConfig, tp: int, p: Precision) -> float:

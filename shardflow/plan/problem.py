@@ -41,6 +41,7 @@ class Problem:
     profile: Profile | None = None
     precision: Precision = field(default_factory=Precision)
     checkpointing: dict[str, bool] = field(default_factory=dict)  # role -> recompute activations
+    shard_optimizer: dict[str, bool] = field(default_factory=dict)  # role -> optimizer state split over dp
     offload: dict[str, bool] = field(default_factory=dict)  # frozen role -> weights in CPU memory
     kv_cache_bytes: float | None = None  # per rank; None = whatever memory is left
     transposed_weights: bool = False  # generation decodes from transposed copies (GenerationConfig)
@@ -116,6 +117,7 @@ def problem_from_config(config: ExperimentConfig, cluster: Cluster, *, profile: 
                                       response_std=response_std),
         profile=profile,
         checkpointing={r: config.models[r].gradient_checkpointing for r in models},
+        shard_optimizer={r: config.models[r].shard_optimizer for r in models},
         offload={r: config.models[r].offload for r in models},
         kv_cache_bytes=kv * 2**30 if kv > 0 else None,
         transposed_weights=config.generation.transposed_weights,

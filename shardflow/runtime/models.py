@@ -67,7 +67,8 @@ class ModelSlot:
             slot._maybe_compile(slot.home_model)
             if trained:
                 slot.engine = TrainEngine(slot.home_model, home, world, spec.optim,
-                                          gradient_checkpointing=spec.gradient_checkpointing)
+                                          gradient_checkpointing=spec.gradient_checkpointing,
+                                          shard_optimizer=spec.shard_optimizer)
             elif spec.offload:
                 slot.offloader = HostOffload(slot.home_model)
         return slot

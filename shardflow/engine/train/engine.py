@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from shardflow.config.experiment import OptimConfig
 from shardflow.config.files import read_json
@@ -47,7 +48,8 @@ OPTIMIZER_TENSORS = ("master", "exp_avg", "exp_avg_sq")  # what a checkpoint of 
 
 class TrainEngine:
     def __init__(self, model: Transformer, layout: Layout, world: World, optim: OptimConfig, *,
-                 gradient_checkpointing: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+                 gradient_checkpointing: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+                 shard_optimizer: bool = False):
         if model.shard.layout != layout or model.shard.rank != world.rank:
             raise ValueError(
                 f"the model was built for rank {model.shard.rank} of {model.shard.layout}, "
@@ -67,13 +69,21 @@ class TrainEngine:
         self.device = next(iter(params.values())).device
         self.grads = GradBuffer(params, self.dp_group, bucket_numel=bucket_numel, device=self.device)
         self._params = [params[n] for n in self.grads.names]
-        # Float32 master weights laid out like the gradients.
-        master = torch.cat([p.detach().reshape(-1).float() for p in self._params])  # [local numel]
+        # Float32 master weights and AdamW moments laid out like the gradients: all of them, or
+        # with shard_optimizer this replica's 1/dp of the flat layout (ZeRO-1: the gradients are
+        # all-reduced whole, each replica updates its part, the parts are all-gathered).
+        numel = self.grads.flat.numel()
+        self.sharded = shard_optimizer and layout.dp > 1
+        self._chunk = -(-numel // layout.dp) if self.sharded else numel
+        # the owned range follows the rank's place in the dp group, the order all_gather concatenates in
+        lo = min(dist.get_rank(self.dp_group) * self._chunk, numel) if self.sharded else 0
+        self._owned = (lo, min(lo + self._chunk, numel))
+        full = torch.cat([p.detach().reshape(-1).float() for p in self._params])  # [local numel]
+        master = full[self._owned[0]:self._owned[1]].clone() if self.sharded else full
         self._master_views = [master[a:b].view(p.shape) for p, (a, b) in
-                              zip(self._params, (self.grads.slices[n] for n in self.grads.names))]
-        by_name = dict(zip(self.grads.names, self._master_views))
-        decay = [by_name[n] for n in self.grads.names if len(self.shard.tensors[n].full_shape) >= 2]
-        self.optimizer = AdamW(master, decay, optim)
+                              zip(self._params, (self.grads.slices[n] for n in self.grads.names))] \
+            if not self.sharded else []
+        self.optimizer = AdamW(master, self._owned_parts(master, decayed=True), optim)
         # Gradient views this rank counts in the global norm (replica 0 only: replicas are equal).
         unique = unique_tensors(self.cfg, layout, rank) if self.shard.coord.dp == 0 else frozenset()
         self._counted = [self.grads.views[n] for n in self.grads.names if n in unique]
@@ -153,15 +163,46 @@ class TrainEngine:
                        model_tokens=float(sum(mb.ids.numel() for mb in micro)))
         return metrics
 
+    def _owned_parts(self, flat: torch.Tensor, *, decayed: bool) -> list[torch.Tensor]:
+        """Views of ``flat`` (this rank's owned range of the flat layout) over the parameters that
+        overlap it; ``decayed``: only the matrices (AdamW's weight decay)."""
+        lo, hi = self._owned
+        parts = []
+        for name in self.grads.names:
+            a, b = self.grads.slices[name]
+            if decayed and len(self.shard.tensors[name].full_shape) < 2:
+                continue
+            if max(a, lo) < min(b, hi):
+                parts.append(flat[max(a, lo) - lo:min(b, hi) - lo])
+        return parts
+
     @torch.no_grad()
     def _update(self, norm: torch.Tensor, lr: float) -> None:
-        grad = self.grads.flat
+        lo, hi = self._owned
         if self.optim.grad_clip > 0:
-            # torch.nn.utils.clip_grad_norm_'s rule, kept on the device (no host sync).
-            grad.mul_(torch.clamp(self.optim.grad_clip / (norm + 1e-6), max=1.0))
+            # torch.nn.utils.clip_grad_norm_'s rule, kept on the device (no host sync); all of the
+            # buffer, so that every replica keeps the same gradients
+            self.grads.flat.mul_(torch.clamp(self.optim.grad_clip / (norm + 1e-6), max=1.0))
         self.step_count += 1
-        self.optimizer.step(grad, lr, self.step_count)
-        torch._foreach_copy_(self._params, self._master_views)
+        self.optimizer.step(self.grads.flat[lo:hi], lr, self.step_count)
+        if self.sharded:
+            self._set_weights(self._gathered(self.optimizer.master, self._params[0].dtype))
+        else:
+            torch._foreach_copy_(self._params, self._master_views)
+
+    def _gathered(self, part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The whole flat layout from every replica's owned range of it (collective over dp)."""
+        padded = torch.zeros(self._chunk, dtype=dtype, device=self.device)
+        padded[:part.numel()] = part
+        return comm.all_gather(padded, self.dp_group, dim=0)[:self.grads.flat.numel()]
+
+    def _set_weights(self, flat: torch.Tensor) -> None:
+        torch._foreach_copy_(self._params, [flat[a:b].view(p.shape) for p, (a, b) in
+                                            zip(self._params, (self.grads.slices[n] for n in self.grads.names))])
+
+    def optimizer_bytes(self) -> int:
+        """Bytes of this rank's optimizer state (master weights and both moments)."""
+        return sum(getattr(self.optimizer, k).numel() * 4 for k in OPTIMIZER_TENSORS)
 
     def _check_batch(self, batch: SequenceBatch, temperature: float) -> None:
         if len(batch) == 0:
@@ -183,11 +224,14 @@ class TrainEngine:
 
     # ----- state for resume ----------------------------------------------------------------
 
-    def _state_views(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The optimizer's tensors by kind, each as views shaped like this rank's parameters."""
+    def _state_views(self, flats: dict[str, torch.Tensor] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer's tensors by kind, each as views shaped like this rank's parameters (of
+        ``flats``, whole flat layouts by kind; default: the optimizer's own, gathered when sharded)."""
+        if flats is None:
+            flats = {kind: self._gathered(getattr(self.optimizer, kind), torch.float32) if self.sharded
+                     else getattr(self.optimizer, kind) for kind in OPTIMIZER_TENSORS}
         spans = [self.grads.slices[n] for n in self.grads.names]
-        return {kind: {n: getattr(self.optimizer, kind)[a:b].view(p.shape)
-                       for n, p, (a, b) in zip(self.grads.names, self._params, spans)}
+        return {kind: {n: flats[kind][a:b].view(p.shape) for n, p, (a, b) in zip(self.grads.names, self._params, spans)}
                 for kind in OPTIMIZER_TENSORS}
 
     @torch.no_grad()
@@ -210,10 +254,13 @@ class TrainEngine:
         checkpoint resharded at load time), and the model's weights are set from the master copy."""
         path = Path(path)
         state = read_json(path / "optimizer.json", "optimizer state")
-        for kind, tensors in self._state_views().items():
+        numel, (lo, hi) = self.grads.flat.numel(), self._owned
+        flats = {kind: torch.zeros(numel, dtype=torch.float32, device=self.device) for kind in OPTIMIZER_TENSORS}
+        for kind, tensors in self._state_views(flats).items():
             load_tensors(tensors, self.shard, path / kind)
+            getattr(self.optimizer, kind).copy_(flats[kind][lo:hi])
         self.step_count = int(state["step"])
-        torch._foreach_copy_(self._params, self._master_views)
+        self._set_weights(flats["master"])
 
     def close(self) -> None:
         """Detach the engine's gradient hooks from the model."""
