@@ -10,8 +10,9 @@ turn is forced to ``--turn-tokens`` tokens (EOS ignored) and every observation i
 
 1. continuation: the engine's episodes (the history's KV stays in its slot; only the observation
    is prefilled) against the same episodes with the KV dropped at every turn's end (the whole
-   history prefilled again, what an engine without continuation does). Greedy: both must give the
-   same tokens (the script fails otherwise). Each against its roofline: decode steps x (weights +
+   history prefilled again, what an engine without continuation does). Greedy: in float32 both
+   must give the same tokens (the script fails otherwise); in bf16 the two round the history's KV
+   differently and their paths may part (the share of tokens before they do is reported). Each against its roofline: decode steps x (weights +
    mean KV bytes) / measured bandwidth, plus prefilled tokens x 2 x parameters / measured bf16
    matrix rate.
 2. hidden share: the same episodes with their environments in a worker pool (``--workers``), each
@@ -198,6 +199,11 @@ def main() -> None:
         report[name] = dict(seconds=statistics.median(times), prefill_tokens=prefill, roofline_s=limit,
                             vs_roofline=statistics.median(times) / limit)
     report["same_tokens"] = tokens["continued"] == tokens["re-prefilled"]
+    # in bf16 the KV written token by token and the one prefilled at once round differently, and
+    # random weights' near-ties then part greedy paths: the share of tokens before they part
+    agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) / max(len(x), 1)
+             for x, y in zip(tokens["continued"], tokens["re-prefilled"])]
+    report["tokens_before_parting"] = statistics.mean(agree)
     report["speedup"] = report["re-prefilled"]["seconds"] / report["continued"]["seconds"]
 
     # 2. environments and rewards beside decoding
@@ -230,13 +236,14 @@ def main() -> None:
     for name in ("continued", "re-prefilled"):
         r = report[name]
         print(f"{name:14}{r['seconds']:9.3f}{r['prefill_tokens']:11d}{r['roofline_s']:12.3f}{r['vs_roofline']:11.2f}")
-    print(f"continuation {report['speedup']:.2f}x faster, same tokens: {report['same_tokens']}")
+    print(f"continuation {report['speedup']:.2f}x faster, same tokens: {report['same_tokens']} "
+          f"({100 * report['tokens_before_parting']:.0f}% of each episode's tokens before the two part)")
     p = report["pool_slow"]
     print(f"pool of {args.workers}: env {args.env_ms:g} ms/step, reward {args.reward_ms:g} ms/episode "
           f"({p['work_per_worker_s']:.2f} s per worker): rollout {p['seconds']:.3f} s vs "
           f"{report['pool_instant']['seconds']:.3f} s instant, hidden share {p['hidden_share']:.2f}")
-    if not report["same_tokens"]:
-        sys.exit("continued episodes and re-prefilled ones gave different tokens")
+    if not report["same_tokens"] and dtype == torch.float32:
+        sys.exit("continued episodes and re-prefilled ones gave different tokens in float32")
 
 
 if __name__ == "__main__":
