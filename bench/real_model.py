@@ -46,7 +46,8 @@ def shardflow_run(model: Path, out: Path, args: argparse.Namespace) -> dict:
     return {"wall_seconds": wall, "step_seconds": times, "rewards": [r["reward/mean"] for r in records
                                                                      if "reward/mean" in r],
             "eval": {r["step"]: r["eval/pass@1"] for r in records if "eval/pass@1" in r},
-            "eval_seconds": sum(r.get("eval/seconds", 0.0) for r in records)}
+            "eval_seconds": sum(r.get("eval/seconds", 0.0) for r in records),
+            "eval_seconds_each": {r["step"]: r["eval/seconds"] for r in records if "eval/seconds" in r}}
 
 
 def trl_run(model: Path, out: Path, args: argparse.Namespace, raw: dict) -> dict:
