@@ -181,8 +181,7 @@ def save_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: Lay
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    writer_files = _ShardWriter(tmp, max_shard_bytes)  # a full file is written at once: one in memory
     local_dtype = next(iter(tensors.values())).dtype
     for name in names:
         first_ts = holders[name][0][1]
@@ -194,16 +193,10 @@ def save_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: Lay
                 piece = torch.empty(ts.piece_shape(), dtype=full.dtype, device=full.device)
                 dist.recv(piece, src=holder)
                 full[ts.full_slices()] = piece
-        tensor = full.to(dtype or full.dtype).cpu()
-        nbytes = tensor.numel() * tensor.element_size()
-        if size and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    _write_files(tmp, shards)
+        writer_files.add(name, full.to(dtype or full.dtype).cpu())
+    writer_files.close()
     if finish is not None:
-        finish(tmp, next(iter(shards[0].values())).dtype)
+        finish(tmp, dtype or local_dtype)
     if path.exists():
         shutil.rmtree(path)
     os.replace(tmp, path)
@@ -213,20 +206,44 @@ def model_device(params: dict[str, torch.Tensor]) -> torch.device:
     return next(iter(params.values())).device
 
 
-def _write_files(directory: Path, shards: list[dict[str, torch.Tensor]]) -> None:
-    metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(directory / SINGLE_FILE), metadata=metadata)
-        return
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / fname), metadata=metadata)
-        for name, t in shard.items():
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
+class _ShardWriter:
+    """Safetensors files of at most ``max_bytes`` each (but one tensor), written as they fill;
+    ``close`` names them as Hugging Face does (with an index when there are several)."""
+
+    def __init__(self, directory: Path, max_bytes: int):
+        self.directory, self.max_bytes = directory, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.files: list[tuple[Path, dict[str, int]]] = []  # written part -> its tensors' bytes
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.size + nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor
+        self.size += nbytes
+
+    def _flush(self) -> None:
+        part = self.directory / f"part-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(part), metadata={"format": "pt"})
+        self.files.append((part, {n: t.numel() * t.element_size() for n, t in self.pending.items()}))
+        self.pending, self.size = {}, 0
+
+    def close(self) -> None:
+        if self.pending or not self.files:
+            self._flush()
+        if len(self.files) == 1:
+            self.files[0][0].rename(self.directory / SINGLE_FILE)
+            return
+        weight_map, total = {}, 0
+        for i, (part, sizes) in enumerate(self.files):
+            fname = f"model-{i + 1:05d}-of-{len(self.files):05d}.safetensors"
+            part.rename(self.directory / fname)
+            for name, nbytes in sizes.items():
+                weight_map[name] = fname
+                total += nbytes
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
 def load_model(path: str | Path, layout: Layout, world, dtype: torch.dtype = torch.float32,
