@@ -50,6 +50,18 @@ def test_overrides_types_and_unknown_keys(base_file):
     assert load_config(base_file, ["generation.blas_library=cublaslt"]).generation.blas_library == "cublaslt"
 
 
+def test_offload_settings_name_the_model_they_do_not_fit(base_file):
+    with_ref = ["algorithm.kl.coef=0.1", "models.ref.path=r"]
+    with pytest.raises(ValueError, match="models.ref.offload_optimizer: ref is not trained here"):
+        check_config(load_config(base_file, with_ref + ["models.ref.offload_optimizer=true"]))
+    with pytest.raises(ValueError, match="models.actor.offload is for frozen models; actor is trained .* "
+                                         "models.actor.offload_optimizer"):
+        check_config(load_config(base_file, ["models.actor.offload=true"]))
+    checked = check_config(load_config(base_file, with_ref + ["models.actor.offload_optimizer=true",
+                                                              "models.ref.offload=true"]))
+    assert checked.config.models["actor"].offload_optimizer
+
+
 def test_graphs_of_ppo_and_grpo(base_file):
     ppo = build_graph(load_config(base_file, ["algorithm.name=ppo", "algorithm.kl.coef=0.1", "models.critic.path=c",
                                               "models.ref.path=r"]))

@@ -131,3 +131,34 @@ def test_the_sharded_optimizer_opens_data_parallel_training_layouts():
 
     assert (1, 8, 1) not in train_shapes(False)
     assert (1, 8, 1) in train_shapes(True)
+
+
+def test_an_offloaded_optimizer_fits_a_model_on_one_device_and_costs_host_traffic():
+    """A 7B-class model with its reference on one 80 GB device: weights, gradients and optimizer
+    state (18 bytes per parameter) do not fit; with the optimizer state in host memory (6 bytes
+    per parameter on the device) the GRPO plan does. The offloaded step costs at least the state's
+    trip over the host link."""
+    from shardflow.parallel.layout import Layout
+    from shardflow.plan.memory import Precision, Shape, rank_params, trained_state_bytes
+
+    big = llama(hidden=4096, layers=32, heads=32, kv=8, inter=11008)
+    p = Precision()
+    params = rank_params(big, 1, 1)
+    assert trained_state_bytes(big, Shape(1, 1, 1), p, offloaded=True) == params * 6 + p.offload_buffer_bytes
+    workload = Workload(prompts=8, prompt_tokens=128, max_new_tokens=128, response_mean=64)
+
+    def problem(offloaded: bool) -> Problem:
+        return Problem(graph=grpo_graph(), models={"actor": big, "ref": big},
+                       cluster=Cluster.for_devices(1, memory_bytes=80e9), workload=workload,
+                       offload_optimizer={"actor": offloaded}, checkpointing={"actor": True})
+
+    with pytest.raises(ValueError, match="model 'actor' .* does not fit on any device set"):
+        Space(problem(False))
+    offloaded = problem(True)
+    assert (1, 1, 1) in Space(offloaded).shapes(offloaded.calls[2], 1)
+    plan, est = symmetric(offloaded)
+    assert est.feasible and estimate(offloaded, plan).feasible
+    costs, layout = offloaded.costs, Layout.contiguous()
+    plain, streamed = (costs.train(big, layout, 4, True, offloaded=o) for o in (False, True))
+    steps = workload.train_steps
+    assert streamed >= plain and streamed >= steps * params * 12 / offloaded.cluster.host_bandwidth

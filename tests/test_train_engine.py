@@ -27,13 +27,16 @@ BUCKET = 20_000  # small dp buckets, so that a step reduces several of them
 
 CASES = {
     # 4 heads, 2 KV heads: tp=4 replicates KV heads; pp=4 puts one layer on each stage.
-    # +gc: gradient checkpointing; +zero: the optimizer state sharded over dp (ZeRO-1)
+    # +gc: gradient checkpointing; +zero: the optimizer state sharded over dp, gradients
+    # reduce-scattered; +offload: the optimizer state in host memory, streamed in chunks
     "llama": (dict(family="llama"), ["d1p1t1@0", "d1p2t1@0-1", "d2p1t1@0-1", "d1p1t2@0-1", "d1p1t4@0-3",
                                      "d2p2t2@0-7", "d1p4t2@0-7", "d1p2t2@0-3+gc", "d2p1t1@0-1+zero",
-                                     "d4p1t1@0-3+zero", "d4p1t2@0-7+zero", "d2p2t2@0-7+gc+zero"]),
+                                     "d4p1t1@0-3+zero", "d4p1t2@0-7+zero", "d2p2t2@0-7+gc+zero",
+                                     "d1p1t1@0+offload", "d2p1t2@0-3+zero+offload"]),
     # q/k norms (partial gradients over tp) and a tied embedding split over pipeline stages.
     "qwen3_qknorm": (dict(family="qwen3", tie_word_embeddings=True), ["d1p2t2@0-3", "d2p2t1@0-3", "d1p1t4@0-3",
-                                                                      "d2p2t1@0-3+zero"]),
+                                                                      "d2p2t1@0-3+zero",
+                                                                      "d2p1t2@0-3+zero"]),
     # q/k/v biases (replicated KV heads' biases are partial too) and a vocabulary padded for tp=4.
     "qwen2_bias": (dict(family="qwen2", vocab_size=130), ["d1p1t4@0-3", "d2p2t2@0-7", "d2p1t4@0-7+zero"]),
     "llama_value": (dict(family="llama", value_head=True), ["d1p2t2@0-3", "d2p1t1@0-1"]),
@@ -43,7 +46,7 @@ CASES = {
 def train_job(world, path: str, runs: list[str], batch, value_head: bool, budget: int = BUDGET,
               share_prompts: bool = False):
     """One step per run (a layout, ``+gc`` for gradient checkpointing, ``+zero`` for the sharded
-    optimizer) on the ranks of its layout."""
+    optimizer, ``+offload`` for its state in host memory) on the ranks of its layout."""
     layouts = [run_layout(r) for r in runs]
     world.create_groups(layouts)
     out = {}
@@ -52,12 +55,14 @@ def train_job(world, path: str, runs: list[str], batch, value_head: bool, budget
             continue
         model, _ = load_model(path, layout, world)
         engine = TrainEngine(model, layout, world, OPTIM, gradient_checkpointing="+gc" in run,
-                             bucket_numel=BUCKET, shard_optimizer="+zero" in run)
+                             bucket_numel=BUCKET, shard_optimizer="+zero" in run, offload_optimizer="+offload" in run)
+        if "+offload" in run:
+            engine.optimizer.chunk_numel = 7_000  # several chunks, cut inside parameters
         loss = ValueLoss() if value_head else TokenLoss()
         metrics = engine.step(replica_share(batch, layout, world.rank), loss, micro_batch_tokens=budget,
                               share_prompts=share_prompts)
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-        grads = {n: g.clone() for n, g in engine.grads.views.items()}  # after clipping
+        grads = {n: g.clone() for n, g in engine.gradients().items()}  # after clipping
         out[run] = (weights, grads, metrics)
     return out
 
@@ -210,13 +215,13 @@ def test_resume_from_optimizer_state_by_name_under_the_same_and_another_layout(p
     assert not list((tmp_path / "state").rglob("*.pt")) and not list((tmp_path / "state").rglob("*.pkl"))
 
 
-def count_job(world, path: str, layout_text: str, batch):
+def count_job(world, path: str, layout_text: str, batch, sharded: bool = False):
     layout = Layout.parse(layout_text)
     world.create_groups([layout])
     if world.rank not in layout:
         return None
     model, shard = load_model(path, layout, world)
-    engine = TrainEngine(model, layout, world, OPTIM, bucket_numel=BUCKET)
+    engine = TrainEngine(model, layout, world, OPTIM, bucket_numel=BUCKET, shard_optimizer=sharded)
     with comm.count_collectives() as counts:
         metrics = engine.step(replica_share(batch, layout, world.rank), TokenLoss(), micro_batch_tokens=BUDGET)
     return dict(counts), len(engine.grads.buckets), int(metrics["num_micro_batches"]), shard.last_stage
@@ -231,6 +236,20 @@ def test_collectives_of_a_step(pool, checkpoints):
         assert counts == {"all_reduce": 1 + buckets + int(last) + 1, "isend": micro, "irecv": micro}
 
 
+def test_collectives_of_a_sharded_step(pool, checkpoints):
+    """Sharded optimizer, pp=2 x dp=2 of a model whose embedding is tied across the stages: each
+    bucket of the other tensors is reduce-scattered, the tied copies' buckets are all-reduced whole
+    (then exchanged between the stages), and the updated weights are all-gathered once."""
+    results = pool.run(count_job, checkpoints.get("qwen3_qknorm", "qwen3", tie_word_embeddings=True),
+                       "d2p2t1@0-3", make_batch(128), True)
+    for counts, buckets, micro, last in filter(None, results):
+        scattered = counts["reduce_scatter"]
+        assert scattered >= 2 and counts["all_gather"] == 1
+        # all-reduces: normalizer, the tied copy's bucket(s), stats (last stage), norm
+        assert counts["all_reduce"] == 1 + (buckets - scattered) + int(last) + 1 and buckets - scattered >= 1
+        assert counts["isend"] == counts["irecv"] == micro + 1  # + the tied gradients' exchange
+
+
 def bytes_job(world, path: str, layout_text: str):
     layout = Layout.parse(layout_text)
     world.create_groups([layout])
@@ -242,15 +261,15 @@ def bytes_job(world, path: str, layout_text: str):
         engine = TrainEngine(model, layout, world, OPTIM, bucket_numel=BUCKET, shard_optimizer=sharded)
         sizes.append(engine.optimizer_bytes())
         engine.close()
-    return sizes
+    return sizes, len(engine.grads.buckets)
 
 
 @pytest.mark.parametrize("layout", ["d2p1t1@0-1", "d4p1t1@0-3", "d4p1t2@0-7"])
 def test_the_sharded_optimizer_holds_one_dp_th_of_the_state(pool, checkpoints, layout):
     """Measured from the tensors: the master weights and moments per rank are 1/dp of the unsharded
-    ones, plus less than one element per replica of padding."""
+    ones, plus less than one element of padding per bucket (each bucket is padded to a multiple of dp)."""
     dp = Layout.parse(layout).dp
-    for sizes in pool.run(bytes_job, checkpoints.get("llama", "llama"), layout):
-        if sizes is not None:
-            whole, part = sizes
-            assert whole / dp <= part <= whole / dp + 3 * 4 * dp, (whole, part)
+    for out in pool.run(bytes_job, checkpoints.get("llama", "llama"), layout):
+        if out is not None:
+            (whole, part), buckets = out
+            assert whole / dp <= part < whole / dp + 3 * 4 * buckets, (whole, part)

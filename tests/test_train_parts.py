@@ -74,22 +74,26 @@ def test_bad_optimizer_settings_are_named():
 # ----- AdamW -----------------------------------------------------------------------------------
 
 
-def test_flat_adamw_matches_torch_adamw():
+@pytest.mark.parametrize("offload", [False, True])
+def test_flat_adamw_matches_torch_adamw(offload):
+    """Also offloaded: the state streamed in chunks of 8 elements, cut inside the decayed matrix,
+    is updated by the same elementwise operations."""
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(6, 5, generator=g), torch.randn(7, generator=g)
     cfg = OptimConfig(lr=1e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.3)
-    master = torch.cat([a.flatten(), b])
-    ours = AdamW(master, [master[:30]], cfg)  # decay on the matrix only
+    ours = AdamW(torch.cat([a.flatten(), b]), [(0, 30)], cfg, offload=offload, chunk_numel=8)  # decay: the matrix
+    master = torch.zeros(37)
     pa, pb = torch.nn.Parameter(a.clone()), torch.nn.Parameter(b.clone())
     theirs = torch.optim.AdamW([{"params": [pa], "weight_decay": 0.3}, {"params": [pb], "weight_decay": 0.0}],
                                lr=1e-2, betas=(0.8, 0.95), eps=1e-6, foreach=False)
     for step in range(1, 5):
         ga, gb = torch.randn(6, 5, generator=g), torch.randn(7, generator=g)
-        ours.step(torch.cat([ga.flatten(), gb]), 1e-2, step)
+        ours.step(torch.cat([ga.flatten(), gb]), 1e-2, step, lambda lo, hi, values: master[lo:hi].copy_(values))
         pa.grad, pb.grad = ga, gb
         theirs.step()
     # the same float32 operations in the same order
     torch.testing.assert_close(master, torch.cat([pa.detach().flatten(), pb.detach()]), atol=0, rtol=0)
+    torch.testing.assert_close(ours.master, master, atol=0, rtol=0)
 
 
 # ----- entropy gradient ----------------------------------------------------------------------
@@ -133,11 +137,12 @@ def test_bf16_model_keeps_float32_master_weights(checkpoints):
     assert math.isfinite(metrics["loss"]) and metrics["skipped"] == 0.0
     assert engine.optimizer.master.dtype == torch.float32
     unchanged = total = 0
+    masters, grads = engine._kind_views("master"), engine.gradients()
     for name, p in model.named_parameters():
         assert p.dtype == torch.bfloat16
-        master = engine._master_views[engine.grads.names.index(name)]
+        master = masters[name]
         assert torch.equal(p.detach(), master.to(torch.bfloat16)), name
-        grad = engine.grads.views[name]
+        grad = grads[name]
         expected = before[name] - cfg.lr * grad / (grad.abs() + cfg.eps)
         # float32 rounding of master weights of size <= ~0.5: 3e-8
         torch.testing.assert_close(master, expected, atol=3e-8, rtol=0, msg=name)

@@ -45,7 +45,10 @@ class ModelSpec(Settings):
                          choices=("auto", "bfloat16", "float32"))
     gradient_checkpointing: bool = setting(False, "recompute activations in backward (trained models)")
     shard_optimizer: bool = setting(False, "split fp32 master weights and AdamW moments over the training call's "
-                                           "data-parallel replicas (ZeRO-1: 1/dp of that state per rank)")
+                                           "data-parallel replicas, gradients reduce-scattered to them (1/dp of that "
+                                           "state per rank)")
+    offload_optimizer: bool = setting(False, "keep a trained model's fp32 master weights and AdamW moments in "
+                                             "(pinned) host memory, streamed through the device at each update")
     compile: bool = setting(True, "torch.compile the decoder layers for training and inference on GPUs")
     offload: bool = setting(False, "keep a frozen model's weights in CPU memory between its calls")
     optim: OptimConfig = section(OptimConfig, "optimizer (trained models)")

@@ -50,6 +50,14 @@ def all_reduce_async(t: torch.Tensor, group: ProcessGroup | None) -> dist.Work |
     return dist.all_reduce(t, group=group, async_op=True)
 
 
+def reduce_scatter_async(out: torch.Tensor, t: torch.Tensor, group: ProcessGroup) -> dist.Work:
+    """Start a sum of ``t`` over the group whose rank-th equal piece lands in ``out``; returns the
+    handle to ``wait()`` on."""
+    _count("reduce_scatter")
+    single = getattr(dist, "reduce_scatter_single", None)  # the newer name (torch 2.13)
+    return (single or dist.reduce_scatter_tensor)(out, t, group=group, async_op=True)
+
+
 def all_gather(t: torch.Tensor, group: ProcessGroup | None, dim: int = -1) -> torch.Tensor:
     """Concatenate ``t`` from every rank of the group (in group rank order) along ``dim``."""
     if group is None:

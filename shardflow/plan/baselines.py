@@ -104,7 +104,7 @@ def _to_bump(problem: Problem, plan: Plan, failed: str, level: dict[str, int],
         layout = plan[problem.index[home]].layout
         cfg = problem.models[m]
         if problem.trained(m):
-            resident[home] = mem.trained_state_bytes(cfg, layout, p, sharded=problem.shard_optimizer.get(m, False))
+            resident[home] = problem.trained_state_bytes(m, layout)
         elif not problem.offload.get(m, False):
             resident[home] = mem.weight_bytes(cfg, layout, p)
     if sum(resident.values()) > 0.6 * problem.cluster.usable_memory:

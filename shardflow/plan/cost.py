@@ -183,9 +183,12 @@ class CostModel:
             self._cache[key] = (micro_batches + layout.pp - 1) * stage(tokens / micro_batches)
         return self._cache[key]
 
-    def train(self, cfg: ModelConfig, layout: Layout, micro_batches: int, checkpointing: bool = False) -> float:
-        """Every optimizer step of the call: pipeline, gradient all-reduce, AdamW step."""
-        key = self._key("train", cfg, layout, micro_batches, checkpointing)
+    def train(self, cfg: ModelConfig, layout: Layout, micro_batches: int, checkpointing: bool = False, *,
+              sharded: bool = False, offloaded: bool = False) -> float:
+        """Every optimizer step of the call: pipeline, gradient reduction, AdamW step. ``sharded``:
+        gradients reduce-scattered, each replica updates 1/dp, new weights all-gathered;
+        ``offloaded``: the optimizer state crosses the host link both ways (in parallel) per step."""
+        key = self._key("train", cfg, layout, micro_batches, checkpointing, sharded, offloaded)
         if key not in self._cache:
             w = self.workload
             layers = stage_layer_count(cfg, layout.pp)
@@ -204,7 +207,15 @@ class CostModel:
             tokens = self.replica_sequences(layout, w.train_steps) * w.model_tokens
             pipeline = (micro_batches + layout.pp - 1) * stage(tokens / micro_batches)  # 1F1B
             params = rank_params(cfg, layout.pp, layout.tp)
-            grads = self.ops.all_reduce(params * self.precision.grad_bytes, layout.dp_group(layout.ranks[0]))
+            dp_group, p = layout.dp_group(layout.ranks[0]), self.precision
+            if sharded:  # a reduce-scatter and an all-gather each move half of an all-reduce's bytes
+                grads = (self.ops.all_reduce(params * p.grad_bytes, dp_group)
+                         + self.ops.all_reduce(params * p.param_bytes, dp_group)) / 2
+                params /= layout.dp
+            else:
+                grads = self.ops.all_reduce(params * p.grad_bytes, dp_group)
             optimizer = self.ops.optimizer(cfg, layout.tp, params)
+            if offloaded:  # streamed: the step runs at the slower of the device and the host link
+                optimizer = max(optimizer, params * p.optimizer_bytes / self.ops.cluster.host_bandwidth)
             self._cache[key] = w.train_steps * (pipeline + grads + optimizer)
         return self._cache[key]

@@ -107,7 +107,9 @@ def _place(problem: Problem, call: Call, choice: Choice, home: Layout, resident:
         ckpt = problem.checkpointing.get(call.model, False)
         tokens = problem.tokens_per_micro_batch(call, layout, choice.micro_batches)
         extra += mem.train_activation_bytes(cfg, layout, tokens, choice.micro_batches, ckpt, p)
-        seconds = costs.train(cfg, layout, choice.micro_batches, ckpt)
+        seconds = costs.train(cfg, layout, choice.micro_batches, ckpt,
+                              sharded=problem.shard_optimizer.get(call.model, False),
+                              offloaded=problem.offload_optimizer.get(call.model, False))
     if resident + extra > usable:
         return (f" in {_where(layout)}: needs {(resident + extra) / GB:.1f} GB on a device ({resident / GB:.1f} GB "
                 f"resident + {extra / GB:.1f} GB for the call) but {usable / GB:.1f} GB are usable")
@@ -126,8 +128,7 @@ def estimate(problem: Problem, plan: Plan, *, events: bool = False) -> Estimate:
     resident = np.zeros(n)  # bytes that stay on each device between calls
     for m, layout in home.items():
         if problem.trained(m):
-            resident[_index(layout)] += mem.trained_state_bytes(problem.models[m], layout, p,
-                                                                sharded=problem.shard_optimizer.get(m, False))
+            resident[_index(layout)] += problem.trained_state_bytes(m, layout)
         elif not problem.offload.get(m, False):
             resident[_index(layout)] += mem.weight_bytes(problem.models[m], layout, p)
 

@@ -37,6 +37,9 @@ class Precision:
     optimizer_bytes: int = 12  # fp32 master weights, AdamW m and v
     activation_bytes: int = 2  # bf16 activations
     logits_bytes: int = 4  # fp32 logits and log-softmax
+    # an offloaded optimizer's device buffers: two chunks of 2^24 float32 elements of each of its
+    # three tensors (engine.train.optimizer.DEFAULT_CHUNK_NUMEL)
+    offload_buffer_bytes: int = 2 * 3 * 4 * (1 << 24)
 
     @property
     def trained_bytes(self) -> int:
@@ -81,11 +84,17 @@ def decode_copy_bytes(cfg: ModelConfig, tp: int, p: Precision, transposed: bool)
     return (cfg.num_layers * per_layer + head) * p.param_bytes
 
 
-def trained_state_bytes(cfg: ModelConfig, layout: AnyLayout, p: Precision, *, sharded: bool = False) -> float:
-    """Weights, gradients and optimizer state of a trained model in its home layout; ``sharded``:
-    the optimizer state split over the layout's data-parallel replicas (ZeRO-1)."""
+def trained_state_bytes(cfg: ModelConfig, layout: AnyLayout, p: Precision, *, sharded: bool = False,
+                        offloaded: bool = False) -> float:
+    """Device bytes of a trained model's weights, gradients and optimizer state in its home layout;
+    ``sharded``: the optimizer state split over the layout's data-parallel replicas (the gradient
+    buffer stays whole: it accumulates over micro-batches); ``offloaded``: the optimizer state in
+    host memory, two chunks of it on the device."""
+    params = rank_params(cfg, layout.pp, layout.tp)
+    if offloaded:
+        return params * (p.param_bytes + p.grad_bytes) + p.offload_buffer_bytes
     optimizer = p.optimizer_bytes / layout.dp if sharded else p.optimizer_bytes
-    return rank_params(cfg, layout.pp, layout.tp) * (p.param_bytes + p.grad_bytes + optimizer)
+    return params * (p.param_bytes + p.grad_bytes + optimizer)
 
 
 def _stored_per_token_layer(cfg: ModelConfig, tp: int, p: Precision) -> float:

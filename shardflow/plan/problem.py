@@ -12,7 +12,7 @@ from shardflow.parallel.layout import Layout
 from shardflow.perf.hardware import Cluster
 from shardflow.perf.profile import OpCosts, Profile
 from shardflow.plan.cost import CostModel
-from shardflow.plan.memory import AnyLayout, Precision
+from shardflow.plan.memory import AnyLayout, Precision, trained_state_bytes
 from shardflow.plan.workload import Workload, workload_from_config
 from shardflow.rl.algorithms import algorithm_named
 from shardflow.rl.graph import Call, Graph, Kind
@@ -42,6 +42,7 @@ class Problem:
     precision: Precision = field(default_factory=Precision)
     checkpointing: dict[str, bool] = field(default_factory=dict)  # role -> recompute activations
     shard_optimizer: dict[str, bool] = field(default_factory=dict)  # role -> optimizer state split over dp
+    offload_optimizer: dict[str, bool] = field(default_factory=dict)  # trained role -> optimizer state on the host
     offload: dict[str, bool] = field(default_factory=dict)  # frozen role -> weights in CPU memory
     kv_cache_bytes: float | None = None  # per rank; None = whatever memory is left
     transposed_weights: bool = False  # generation decodes from transposed copies (GenerationConfig)
@@ -76,6 +77,12 @@ class Problem:
 
     def trained(self, model: str) -> bool:
         return self.graph.train_call(model) is not None
+
+    def trained_state_bytes(self, model: str, layout: AnyLayout) -> float:
+        """Device bytes per rank of a trained model's weights, gradients and optimizer state at home."""
+        return trained_state_bytes(self.models[model], layout, self.precision,
+                                       sharded=self.shard_optimizer.get(model, False),
+                                       offloaded=self.offload_optimizer.get(model, False))
 
     def steps(self, call: Call) -> int:
         """Optimizer steps (train) or passes (inference) that split the call's sequences."""
@@ -118,6 +125,7 @@ def problem_from_config(config: ExperimentConfig, cluster: Cluster, *, profile: 
         profile=profile,
         checkpointing={r: config.models[r].gradient_checkpointing for r in models},
         shard_optimizer={r: config.models[r].shard_optimizer for r in models},
+        offload_optimizer={r: config.models[r].offload_optimizer for r in models},
         offload={r: config.models[r].offload for r in models},
         kv_cache_bytes=kv * 2**30 if kv > 0 else None,
         transposed_weights=config.generation.transposed_weights,

@@ -89,7 +89,7 @@ class Space:
         if call.kind is Kind.TRAIN:
             k = self.micro_options(call, layout)[-1]
             tokens = problem.tokens_per_micro_batch(call, layout, k)
-            return (mem.trained_state_bytes(cfg, layout, p, sharded=problem.shard_optimizer.get(call.model, False))
+            return (problem.trained_state_bytes(call.model, layout)
                     + mem.train_activation_bytes(cfg, layout, tokens, k, problem.checkpointing.get(call.model, False), p))
         if call.kind is Kind.GENERATE:
             return (mem.weight_bytes(cfg, layout, p) + mem.decode_copy_bytes(cfg, layout.tp, p, problem.transposed_weights)

@@ -68,7 +68,8 @@ class ModelSlot:
             if trained:
                 slot.engine = TrainEngine(slot.home_model, home, world, spec.optim,
                                           gradient_checkpointing=spec.gradient_checkpointing,
-                                          shard_optimizer=spec.shard_optimizer)
+                                          shard_optimizer=spec.shard_optimizer,
+                                          offload_optimizer=spec.offload_optimizer)
             elif spec.offload:
                 slot.offloader = HostOffload(slot.home_model)
         return slot

@@ -84,6 +84,15 @@ def check_config(config: ExperimentConfig) -> Checked:
     extra = sorted(set(config.models) - set(need))
     if extra:
         raise ValueError(f"models {extra} are not used by this configuration (needed: {need})")
+    trained = set(graph.trained_models())
+    for role in sorted(set(need) - trained):
+        if config.models[role].offload_optimizer:
+            raise ValueError(f"models.{role}.offload_optimizer: {role} is not trained here and has no optimizer "
+                             "(models.<role>.offload keeps a frozen model's weights in host memory)")
+    for role in sorted(trained):
+        if config.models[role].offload:
+            raise ValueError(f"models.{role}.offload is for frozen models; {role} is trained (its optimizer state "
+                             f"goes to host memory with models.{role}.offload_optimizer)")
     for role in graph.trained_models():
         optim = config.models[role].optim
         steps = optim.total_steps or config.total_updates

@@ -6,10 +6,13 @@ batch (all ranks of a replica pass the same share). A step:
 1. sums the loss normalizer over the dp group (one all-reduce of one float);
 2. splits the share into micro-batches bounded by a token budget (at least one per stage) and
    runs them through the 1F1B pipeline schedule; gradients accumulate in a flat float32 buffer
-   whose dp all-reduce buckets start during the last backward;
+   whose dp buckets (all-reduced, or reduce-scattered with a sharded optimizer) start during
+   the last backward;
 3. sums partial tp gradients, and the tied embedding's two copies across stages;
 4. computes the global gradient norm (one all-reduce over the layout), clips, and applies
-   AdamW to float32 master weights, which are copied back into the (e.g. bf16) model.
+   AdamW to float32 master weights, which are copied back into the (e.g. bf16) model (sharded:
+   each replica updates its pieces, then the replicas all-gather the new weights; offloaded: the
+   optimizer state streams through the device from host memory).
 
 The loss and its stats come back on the last stage's ranks; gradient norm and learning rate on
 every rank. Two host synchronisations per step read the normalizer and the metrics; none
@@ -18,6 +21,7 @@ happens per micro-batch (micro-batches reach the device before the pipeline star
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from pathlib import Path
@@ -32,14 +36,19 @@ from shardflow.engine.outputs import LM_OUTPUTS, VALUE_OUTPUTS, token_outputs
 from shardflow.engine.pipeline import StageLinks, train_1f1b
 from shardflow.engine.shared_prompts import plan_micro_batches
 from shardflow.engine.train.grad_buffer import GradBuffer
-from shardflow.engine.train.grad_sync import global_grad_norm, sum_partial_tp_grads, sum_tied_embedding_grads
+from shardflow.engine.train.grad_sync import (
+    global_grad_norm,
+    sum_partial_tp_grads,
+    sum_tied_embedding_grads,
+    tied_across_stages,
+)
 from shardflow.engine.train.loss_fn import LossFn
 from shardflow.engine.train.optimizer import AdamW, lr_at
 from shardflow.models.checkpoint import load_tensors, save_tensors
 from shardflow.models.transformer import Transformer
 from shardflow.parallel import comm
 from shardflow.parallel.layout import Layout
-from shardflow.parallel.sharding import unique_tensors
+from shardflow.parallel.sharding import EMBED, LM_HEAD, unique_tensors
 from shardflow.parallel.world import World
 
 DEFAULT_BUCKET_NUMEL = 1 << 24  # 64 MiB of float32 gradients per dp all-reduce
@@ -49,7 +58,7 @@ OPTIMIZER_TENSORS = ("master", "exp_avg", "exp_avg_sq")  # what a checkpoint of 
 class TrainEngine:
     def __init__(self, model: Transformer, layout: Layout, world: World, optim: OptimConfig, *,
                  gradient_checkpointing: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-                 shard_optimizer: bool = False):
+                 shard_optimizer: bool = False, offload_optimizer: bool = False):
         if model.shard.layout != layout or model.shard.rank != world.rank:
             raise ValueError(
                 f"the model was built for rank {model.shard.rank} of {model.shard.layout}, "
@@ -67,26 +76,40 @@ class TrainEngine:
         params = dict(model.named_parameters())
         assert set(params) == set(self.shard.tensors), set(params) ^ set(self.shard.tensors)
         self.device = next(iter(params.values())).device
-        self.grads = GradBuffer(params, self.dp_group, bucket_numel=bucket_numel, device=self.device)
-        self._params = [params[n] for n in self.grads.names]
-        # Float32 master weights and AdamW moments laid out like the gradients: all of them, or
-        # with shard_optimizer this replica's 1/dp of the flat layout (ZeRO-1: the gradients are
-        # all-reduced whole, each replica updates its part, the parts are all-gathered).
-        numel = self.grads.flat.numel()
+        # shard_optimizer (ZeRO-2 style): the gradients are reduce-scattered over the dp group and
+        # each replica keeps float32 master weights and AdamW moments of its pieces only; after its
+        # update the replicas all-gather the new weights. Tensors whose gradients are fixed up across
+        # tp ranks or stages after backward are all-reduced whole (see GradBuffer).
         self.sharded = shard_optimizer and layout.dp > 1
-        self._chunk = -(-numel // layout.dp) if self.sharded else numel
-        # the owned range follows the rank's place in the dp group, the order all_gather concatenates in
-        lo = min(dist.get_rank(self.dp_group) * self._chunk, numel) if self.sharded else 0
-        self._owned = (lo, min(lo + self._chunk, numel))
-        full = torch.cat([p.detach().reshape(-1).float() for p in self._params])  # [local numel]
-        master = full[self._owned[0]:self._owned[1]].clone() if self.sharded else full
-        self._master_views = [master[a:b].view(p.shape) for p, (a, b) in
-                              zip(self._params, (self.grads.slices[n] for n in self.grads.names))] \
-            if not self.sharded else []
-        self.optimizer = AdamW(master, self._owned_parts(master, decayed=True), optim)
-        # Gradient views this rank counts in the global norm (replica 0 only: replicas are equal).
-        unique = unique_tensors(self.cfg, layout, rank) if self.shard.coord.dp == 0 else frozenset()
-        self._counted = [self.grads.views[n] for n in self.grads.names if n in unique]
+        whole = frozenset(n for n, ts in self.shard.tensors.items() if ts.partial_grad_tp)
+        if tied_across_stages(self.cfg, layout):
+            whole |= {EMBED, LM_HEAD} & set(params)
+        self.grads = GradBuffer(params, self.dp_group, bucket_numel=bucket_numel, device=self.device,
+                                shards=layout.dp if self.sharded else 1,
+                                shard_index=dist.get_rank(self.dp_group) if self.sharded else 0,
+                                whole=whole if self.sharded else frozenset())
+        self._params = [params[n] for n in self.grads.names]
+        # Where each parameter's owned elements sit in the optimizer's layout, sorted by that place:
+        # (first element in the layout, the parameter, its first element, count).
+        self._runs = sorted(((at, p, first, count) for n, p in zip(self.grads.names, self._params)
+                             for first, at, count in self.grads.spans(n)), key=lambda run: run[0])
+        self._run_starts = [r[0] for r in self._runs]
+        # offloaded: built in (pinned) host memory, never whole on the device
+        master = torch.zeros(self.grads.part.numel(), pin_memory=self.device.type == "cuda") if offload_optimizer \
+            else torch.zeros_like(self.grads.part)
+        with torch.no_grad():
+            for at, param, first, count in self._runs:
+                master[at:at + count] = param.reshape(-1)[first:first + count]
+        matrices = [n for n in self.grads.names if len(self.shard.tensors[n].full_shape) >= 2]  # weight decay
+        decay = [(at, at + count) for n in matrices for _, at, count in self.grads.spans(n)]
+        self.optimizer = AdamW(master, decay, optim, offload=offload_optimizer, device=self.device)
+        # sharded: the updated weights of the owned pieces in the model's dtype, all-gathered after the update
+        self._weight_part = torch.empty_like(master, dtype=self._params[0].dtype) if self.sharded else None
+        # Gradient elements this rank counts in the global norm: replica 0's when the replicas hold
+        # equal reduced gradients, each replica's own pieces when they are sharded.
+        counts = self.sharded or self.shard.coord.dp == 0
+        unique = unique_tensors(self.cfg, layout, rank) if counts else frozenset()
+        self._counted = self.grads.part_views(self.grads.part, [n for n in self.grads.names if n in unique])
         self.step_count = 0  # optimizer updates applied; drives the lr schedule
 
     # ----- one step ----------------------------------------------------------------------
@@ -148,6 +171,7 @@ class TrainEngine:
             comm.all_reduce(stats, self.dp_group)
         sum_partial_tp_grads(self.grads, shard, self.tp_group)
         sum_tied_embedding_grads(self.grads, self.cfg, shard, self.layout, self.pp_group)
+        self.grads.collect_owned()
         norm = global_grad_norm(self._counted, self.layout_group, self.device)
 
         # The step's second and last host synchronisation (the first read the normalizer):
@@ -163,46 +187,61 @@ class TrainEngine:
                        model_tokens=float(sum(mb.ids.numel() for mb in micro)))
         return metrics
 
-    def _owned_parts(self, flat: torch.Tensor, *, decayed: bool) -> list[torch.Tensor]:
-        """Views of ``flat`` (this rank's owned range of the flat layout) over the parameters that
-        overlap it; ``decayed``: only the matrices (AdamW's weight decay)."""
-        lo, hi = self._owned
-        parts = []
-        for name in self.grads.names:
-            a, b = self.grads.slices[name]
-            if decayed and len(self.shard.tensors[name].full_shape) < 2:
-                continue
-            if max(a, lo) < min(b, hi):
-                parts.append(flat[max(a, lo) - lo:min(b, hi) - lo])
-        return parts
-
     @torch.no_grad()
     def _update(self, norm: torch.Tensor, lr: float) -> None:
-        lo, hi = self._owned
+        grad = self.grads.part
         if self.optim.grad_clip > 0:
-            # torch.nn.utils.clip_grad_norm_'s rule, kept on the device (no host sync); all of the
-            # buffer, so that every replica keeps the same gradients
-            self.grads.flat.mul_(torch.clamp(self.optim.grad_clip / (norm + 1e-6), max=1.0))
+            # torch.nn.utils.clip_grad_norm_'s rule, kept on the device (no host sync)
+            grad.mul_(torch.clamp(self.optim.grad_clip / (norm + 1e-6), max=1.0))
         self.step_count += 1
-        self.optimizer.step(self.grads.flat[lo:hi], lr, self.step_count)
+        self.optimizer.step(grad, lr, self.step_count, self._store_weights)
         if self.sharded:
-            self._set_weights(self._gathered(self.optimizer.master, self._params[0].dtype))
-        else:
-            torch._foreach_copy_(self._params, self._master_views)
+            self._set_weights(self._gathered(self._weight_part))
 
-    def _gathered(self, part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The whole flat layout from every replica's owned range of it (collective over dp)."""
-        padded = torch.zeros(self._chunk, dtype=dtype, device=self.device)
-        padded[:part.numel()] = part
-        return comm.all_gather(padded, self.dp_group, dim=0)[:self.grads.flat.numel()]
+    def _store_weights(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Updated master weights of the optimizer's layout [lo, hi): into the model, or (sharded)
+        into the owned pieces that the replicas all-gather."""
+        if self.sharded:
+            self._weight_part[lo:hi].copy_(values)
+            return
+        dst, src = [], []
+        for at, param, first, count in self._runs[max(0, bisect.bisect_right(self._run_starts, lo) - 1):]:
+            if at >= hi:
+                break
+            a, b = max(at, lo), min(at + count, hi)
+            if a < b:
+                dst.append(param.view(-1)[first + a - at:first + b - at])
+                src.append(values[a - lo:b - lo])
+        torch._foreach_copy_(dst, src)
+
+    def _gathered(self, part: torch.Tensor) -> torch.Tensor:
+        """The whole flat layout from every replica's pieces of it (collective over dp)."""
+        if not self.sharded:
+            return part
+        return self.grads.unshard(comm.all_gather(part.to(self.device)[None], self.dp_group, dim=0))
 
     def _set_weights(self, flat: torch.Tensor) -> None:
-        torch._foreach_copy_(self._params, [flat[a:b].view(p.shape) for p, (a, b) in
-                                            zip(self._params, (self.grads.slices[n] for n in self.grads.names))])
+        """The model's weights from a tensor laid out like the gradient buffer (any device)."""
+        for name, param in zip(self.grads.names, self._params):
+            a, b = self.grads.slices[name]
+            param.view(-1).copy_(flat[a:b])
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The last step's reduced (and clipped) float32 gradients by parameter name, whole (gathered
+        over dp when sharded: a collective)."""
+        flat = self._gathered(self.grads.part) if self.sharded else self.grads.flat
+        return {n: flat[a:b].view(p.shape) for n, p, (a, b) in
+                zip(self.grads.names, self._params, (self.grads.slices[n] for n in self.grads.names))}
 
     def optimizer_bytes(self) -> int:
         """Bytes of this rank's optimizer state (master weights and both moments)."""
         return sum(getattr(self.optimizer, k).numel() * 4 for k in OPTIMIZER_TENSORS)
+
+    def device_optimizer_bytes(self) -> int:
+        """Bytes of optimizer state on the training device: all of it, or (offloaded) the chunks in flight."""
+        if not self.optimizer.offload:
+            return self.optimizer_bytes()
+        return sum(b.numel() * 4 for chunk in self.optimizer._buffers for b in chunk)
 
     def _check_batch(self, batch: SequenceBatch, temperature: float) -> None:
         if len(batch) == 0:
@@ -224,25 +263,28 @@ class TrainEngine:
 
     # ----- state for resume ----------------------------------------------------------------
 
-    def _state_views(self, flats: dict[str, torch.Tensor] | None = None) -> dict[str, dict[str, torch.Tensor]]:
-        """The optimizer's tensors by kind, each as views shaped like this rank's parameters (of
-        ``flats``, whole flat layouts by kind; default: the optimizer's own, gathered when sharded)."""
-        if flats is None:
-            flats = {kind: self._gathered(getattr(self.optimizer, kind), torch.float32) if self.sharded
-                     else getattr(self.optimizer, kind) for kind in OPTIMIZER_TENSORS}
-        spans = [self.grads.slices[n] for n in self.grads.names]
-        return {kind: {n: flats[kind][a:b].view(p.shape) for n, p, (a, b) in zip(self.grads.names, self._params, spans)}
-                for kind in OPTIMIZER_TENSORS}
+    def _kind_views(self, kind: str, flat: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """One kind of optimizer state as views shaped like this rank's parameters, of ``flat`` (a
+        whole flat layout; default: the optimizer's own, gathered when sharded)."""
+        if flat is None:
+            if self.optimizer.offload and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the last step's copies out have landed
+            flat = self._gathered(getattr(self.optimizer, kind))
+        return {n: flat[a:b].view(p.shape) for n, p, (a, b) in
+                zip(self.grads.names, self._params, (self.grads.slices[n] for n in self.grads.names))}
+
+    def _state_views(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {kind: self._kind_views(kind) for kind in OPTIMIZER_TENSORS}
 
     @torch.no_grad()
     def save_state(self, path: str | Path) -> None:
         """Write the optimizer's state by tensor name, independent of the layout: each kind
         (``master``, ``exp_avg``, ``exp_avg_sq``) as full float32 tensors under the parameters'
         HF names in ``path/KIND`` (safetensors), the step count in ``path/optimizer.json``. Every
-        rank of the layout calls this."""
+        rank of the layout calls this; one kind is gathered at a time."""
         path = Path(path)
-        for kind, tensors in self._state_views().items():
-            save_tensors(tensors, self.cfg, self.layout, self.world.rank, path / kind)
+        for kind in OPTIMIZER_TENSORS:
+            save_tensors(self._kind_views(kind), self.cfg, self.layout, self.world.rank, path / kind)
         if self.world.rank == self.layout.ranks[0]:
             path.mkdir(parents=True, exist_ok=True)
             (path / "optimizer.json").write_text(json.dumps({"step": self.step_count, "saved_layout": str(self.layout),
@@ -251,16 +293,17 @@ class TrainEngine:
     @torch.no_grad()
     def load_state(self, path: str | Path) -> None:
         """Restore what ``save_state`` wrote under any layout: each rank reads its own slices (a
-        checkpoint resharded at load time), and the model's weights are set from the master copy."""
+        checkpoint resharded at load time), and the model's weights are set from the master copy.
+        One kind at a time passes through host memory."""
         path = Path(path)
         state = read_json(path / "optimizer.json", "optimizer state")
-        numel, (lo, hi) = self.grads.flat.numel(), self._owned
-        flats = {kind: torch.zeros(numel, dtype=torch.float32, device=self.device) for kind in OPTIMIZER_TENSORS}
-        for kind, tensors in self._state_views(flats).items():
-            load_tensors(tensors, self.shard, path / kind)
-            getattr(self.optimizer, kind).copy_(flats[kind][lo:hi])
+        for kind in OPTIMIZER_TENSORS:
+            flat = torch.zeros(self.grads.flat.numel(), dtype=torch.float32)
+            load_tensors(self._kind_views(kind, flat), self.shard, path / kind)
+            getattr(self.optimizer, kind).copy_(self.grads.owned_of(flat))
+            if kind == "master":
+                self._set_weights(flat)
         self.step_count = int(state["step"])
-        self._set_weights(flats["master"])
 
     def close(self) -> None:
         """Detach the engine's gradient hooks from the model."""

@@ -6,15 +6,24 @@ micro-batches in float32 and never sit in memory twice.
 
 Data-parallel reduction: the buffer is cut into buckets of whole parameters, laid out in reverse
 registration order (roughly the order backward produces them). During the step's final backward,
-a bucket whose parameters have all reported starts its all-reduce over the dp group at once, so
+a bucket whose parameters have all reported starts its reduction over the dp group at once, so
 communication overlaps the rest of backward. Buckets start strictly in index order, so every
 replica issues the same sequence of collectives.
+
+Sharded (``shards`` = dp > 1, ZeRO-2 style): each bucket is padded to a multiple of dp and
+reduce-scattered, so that replica r receives the summed r-th piece of every bucket in ``part``
+(its ``owned`` pieces, which its optimizer updates) for half the traffic of an all-reduce.
+Tensors listed in ``whole`` (those fixed up across tp ranks or pipeline stages after backward,
+where the peers' pieces would not line up) sit in buckets of their own at the end and are
+all-reduced whole; ``collect_owned`` copies their pieces into ``part`` after the fix-ups.
 
 The reduction is a sum: the training loss of each replica is already divided by a count over
 all replicas (see ``engine.train.loss_fn``), so the sum is the gradient of the global loss.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,41 +32,97 @@ from torch.distributed import ProcessGroup
 from shardflow.parallel import comm
 
 
+@dataclass(frozen=True)
+class Bucket:
+    start: int  # [start, stop) of the flat buffer, a multiple of the shard count long
+    stop: int
+    members: int  # parameters in it
+    whole: bool  # all-reduced whole (not reduce-scattered)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A replica's share of one bucket: ``flat[lo:hi]`` is ``part[at:at + hi - lo]``."""
+
+    lo: int
+    hi: int
+    at: int
+
+
 class GradBuffer:
     def __init__(self, params: dict[str, nn.Parameter], dp_group: ProcessGroup | None, *,
-                 bucket_numel: int, device: torch.device):
+                 bucket_numel: int, device: torch.device, shards: int = 1, shard_index: int = 0,
+                 whole: frozenset[str] = frozenset()):
         if bucket_numel < 1:
             raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
-        self.dp_group = dp_group
-        self.names = list(reversed(params))  # flat order: roughly the order backward runs
+        self.dp_group, self.shards = dp_group, shards
+        order = list(reversed(params))  # flat order: roughly the order backward runs
+        self.names = [n for n in order if n not in whole] + [n for n in order if n in whole]
         self.slices: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for name in self.names:
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[str, int] = {}
+        offset, start, members = 0, 0, 0
+        for i, name in enumerate(self.names):
             self.slices[name] = (offset, offset + params[name].numel())
             offset += params[name].numel()
-        self.flat = torch.zeros(offset, dtype=torch.float32, device=device)  # [numel of all params]
-        self.views = {n: self.flat[a:b].view(params[n].shape) for n, (a, b) in self.slices.items()}
-
-        # Buckets: runs of whole parameters of about bucket_numel elements.
-        self.buckets: list[tuple[int, int]] = []
-        self._bucket_of: dict[str, int] = {}
-        self._bucket_size: list[int] = []
-        start, members = 0, 0
-        for name in self.names:
-            a, b = self.slices[name]
             self._bucket_of[name] = len(self.buckets)
             members += 1
-            if b - start >= bucket_numel or name == self.names[-1]:
-                self.buckets.append((start, b))
-                self._bucket_size.append(members)
-                start, members = b, 0
+            last = i == len(self.names) - 1
+            if last or offset - start >= bucket_numel or (self.names[i + 1] in whole) != (name in whole):
+                offset = start + -(-(offset - start) // shards) * shards  # padded to a multiple of shards
+                self.buckets.append(Bucket(start, offset, members, name in whole))
+                start, members = offset, 0
+        self.flat = torch.zeros(offset, dtype=torch.float32, device=device)  # [numel of all params + padding]
+        self.views = {n: self.flat[a:b].view(params[n].shape) for n, (a, b) in self.slices.items()}
+
+        # This replica's pieces: everything when unsharded, else the shard_index-th of each bucket.
+        self.pieces: list[Piece] = []
+        if shards == 1:
+            self.pieces.append(Piece(0, offset, 0))
+        else:
+            at = 0
+            for b in self.buckets:
+                size = (b.stop - b.start) // shards
+                self.pieces.append(Piece(b.start + shard_index * size, b.start + (shard_index + 1) * size, at))
+                at += size
+        # The reduced gradient of the owned pieces, laid out like the optimizer's state.
+        self.part = self.flat if shards == 1 else torch.zeros(self.pieces[-1].at + self.pieces[-1].hi
+                                                              - self.pieces[-1].lo, device=device)
 
         self._final = False
         self._pending: list[int] = []
         self._reported: set[str] = set()
-        self._next = 0  # first bucket whose all-reduce has not started
+        self._next = 0  # first bucket whose reduction has not started
         self._works: list = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in params.items()]
+
+    # ----- layout helpers --------------------------------------------------------------------
+
+    def owned_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This replica's pieces of ``full`` (a tensor laid out like ``flat``), laid out like ``part``."""
+        if self.shards == 1:
+            return full
+        return torch.cat([full[p.lo:p.hi] for p in self.pieces])
+
+    def unshard(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The flat layout from every replica's ``part``-shaped tensor, stacked [shards, part numel]
+        in dp group rank order (what an all-gather returns)."""
+        if self.shards == 1:
+            return gathered[0]
+        return torch.cat([gathered[:, p.at:p.at + p.hi - p.lo].reshape(-1) for p in self.pieces])
+
+    def spans(self, name: str) -> list[tuple[int, int, int]]:
+        """Where the owned elements of parameter ``name`` are: (first element of the parameter,
+        first in ``part``, count) per run."""
+        a, b = self.slices[name]
+        return [(lo - a, p.at + lo - p.lo, hi - lo) for p in self.pieces
+                for lo, hi in [(max(a, p.lo), min(b, p.hi))] if lo < hi]
+
+    def part_views(self, part: torch.Tensor, names) -> list[torch.Tensor]:
+        """Views of ``part`` (laid out like ``self.part``) over the owned elements of ``names``."""
+        return [part[at:at + n] for name in names for _, at, n in self.spans(name)]
+
+    # ----- accumulation and reduction -----------------------------------------------------------
 
     def _make_hook(self, name: str):
         def hook(param: torch.Tensor) -> None:
@@ -78,7 +143,7 @@ class GradBuffer:
     def begin_final_backward(self) -> None:
         """The next backward is the step's last: buckets reduce as soon as they are complete."""
         self._final = True
-        self._pending = list(self._bucket_size)
+        self._pending = [b.members for b in self.buckets]
         self._reported = set()
         self._next = 0
 
@@ -89,9 +154,14 @@ class GradBuffer:
             self._start(self._next)
 
     def _start(self, index: int) -> None:
-        a, b = self.buckets[index]
-        # All-reduce (sum) of this bucket over the dp group, asynchronous: backward continues.
-        self._works.append(comm.all_reduce_async(self.flat[a:b], self.dp_group))
+        b = self.buckets[index]
+        # asynchronous: backward continues
+        if self.shards > 1 and not b.whole:
+            p = self.pieces[index]
+            self._works.append(comm.reduce_scatter_async(self.part[p.at:p.at + p.hi - p.lo],
+                                                         self.flat[b.start:b.stop], self.dp_group))
+        else:
+            self._works.append(comm.all_reduce_async(self.flat[b.start:b.stop], self.dp_group))
         self._next = index + 1
 
     def finish_reduce(self) -> None:
@@ -103,6 +173,14 @@ class GradBuffer:
             work.wait()
         self._works = []
         self._final = False
+
+    def collect_owned(self) -> None:
+        """Sharded: copy the owned pieces of the all-reduced (``whole``) buckets into ``part``."""
+        if self.shards == 1:
+            return
+        for b, p in zip(self.buckets, self.pieces):
+            if b.whole:
+                self.part[p.at:p.at + p.hi - p.lo] = self.flat[p.lo:p.hi]
 
     def close(self) -> None:
         """Detach the hooks from the parameters."""

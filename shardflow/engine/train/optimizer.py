@@ -3,13 +3,16 @@
 The model may compute in bf16; the optimizer keeps a float32 master copy of every local
 parameter in one flat tensor (laid out like the gradient buffer), updates it with float32
 gradients, and the engine copies it back into the model after each step. One flat tensor means
-a handful of large elementwise kernels per step instead of several per parameter. The settings
+a handful of large elementwise kernels per step instead of several per parameter. The state
+can live in host memory instead, streamed through the device in chunks (``offload``). The settings
 are the run's own (``config.experiment.OptimConfig``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Callable
 
 import torch
 
@@ -45,29 +48,136 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape)
 
 
+# What the model does with updated master weights: ``updated(lo, hi, values)`` for the part of the
+# optimizer's flat layout [lo, hi) (values on the training device).
+Updated = Callable[[int, int, torch.Tensor], None]
+
+DEFAULT_CHUNK_NUMEL = 1 << 24  # 64 MiB per float32 tensor of an offloaded step's chunk
+
+
+def adamw_update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                 decay: list[torch.Tensor], cfg: OptimConfig, lr: float, step: int) -> None:
+    """``torch.optim.AdamW``'s update number ``step`` of flat float32 tensors, in place; ``decay``:
+    the views of ``master`` that get weight decay."""
+    beta1, beta2 = cfg.beta1, cfg.beta2
+    if cfg.weight_decay and decay:
+        torch._foreach_mul_(decay, 1.0 - lr * cfg.weight_decay)
+    exp_avg.lerp_(grad, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+    bias1 = 1.0 - beta1 ** step
+    bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(cfg.eps)
+    master.addcdiv_(exp_avg, denom, value=-lr / bias1)
+
+
 class AdamW:
     """``torch.optim.AdamW``'s update, over one flat float32 tensor.
 
-    ``decay`` lists views of ``master`` that get weight decay. The step count lives with the
-    caller, which also drives the schedule, so that both always agree.
+    ``decay`` lists the spans ``[lo, hi)`` of ``master`` that get weight decay. The step count
+    lives with the caller, which also drives the schedule, so that both always agree.
+
+    ``offload``: the master weights and both moments live in host memory (pinned where the device
+    is a GPU) and a step streams them through the device in chunks: while one chunk is updated,
+    the next is copied in and the previous one copied out, on two copy streams. The device holds
+    two chunks of the three tensors, whatever the model's size.
     """
 
-    def __init__(self, master: torch.Tensor, decay: list[torch.Tensor], cfg: OptimConfig):
+    def __init__(self, master: torch.Tensor, decay: list[tuple[int, int]], cfg: OptimConfig, *,
+                 offload: bool = False, device: torch.device | None = None,
+                 chunk_numel: int = DEFAULT_CHUNK_NUMEL):
         assert master.dtype == torch.float32 and master.dim() == 1
         check_schedule(cfg)
-        self.master, self.decay, self.cfg = master, decay, cfg
-        self.exp_avg = torch.zeros_like(master)
-        self.exp_avg_sq = torch.zeros_like(master)
+        self.device, self.cfg, self.offload = device or master.device, cfg, offload
+        self.decay = sorted(decay)
+        if offload:
+            pin = self.device.type == "cuda"
+            if master.device.type != "cpu" or (pin and not master.is_pinned()):
+                master = master.to("cpu").pin_memory() if pin else master.to("cpu")
+            self.exp_avg, self.exp_avg_sq = (torch.zeros(master.numel(), pin_memory=pin) for _ in range(2))
+            self.chunk_numel = min(chunk_numel, max(1, master.numel()))
+            self._buffers: list[list[torch.Tensor]] = []
+        else:
+            self.exp_avg = torch.zeros_like(master)
+            self.exp_avg_sq = torch.zeros_like(master)
+        self.master = master
+
+    def _decay_views(self, master: torch.Tensor, lo: int, hi: int) -> list[torch.Tensor]:
+        """Views of ``master`` (elements [lo, hi) of the layout) over the decayed spans in it."""
+        return [master[max(a, lo) - lo:min(b, hi) - lo] for a, b in self.decay if max(a, lo) < min(b, hi)]
 
     @torch.no_grad()
-    def step(self, grad: torch.Tensor, lr: float, step: int) -> None:
-        """Apply update number ``step`` (1 for the first) with float32 ``grad`` shaped like master."""
-        beta1, beta2 = self.cfg.beta1, self.cfg.beta2
-        if self.cfg.weight_decay and self.decay:
-            torch._foreach_mul_(self.decay, 1.0 - lr * self.cfg.weight_decay)
-        self.exp_avg.lerp_(grad, 1.0 - beta1)
-        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        bias1 = 1.0 - beta1 ** step
-        bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
-        denom = (self.exp_avg_sq.sqrt() / bias2_sqrt).add_(self.cfg.eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
+    def step(self, grad: torch.Tensor, lr: float, step: int, updated: Updated) -> None:
+        """Apply update number ``step`` (1 for the first) with float32 ``grad`` (on the device, shaped
+        like master), then hand the new master weights to ``updated``."""
+        if not self.offload:
+            adamw_update(self.master, self.exp_avg, self.exp_avg_sq, grad,
+                         self._decay_views(self.master, 0, self.master.numel()), self.cfg, lr, step)
+            updated(0, self.master.numel(), self.master)
+            return
+        host = (self.master, self.exp_avg, self.exp_avg_sq)
+        n, size = self.master.numel(), self.chunk_numel
+        if not self._buffers:
+            self._buffers = [[torch.empty(size, device=self.device) for _ in host] for _ in range(2)]
+        streams = _CopyStreams(self.device)
+        for i, lo in enumerate(range(0, n, size)):
+            hi, k = min(lo + size, n), i % 2
+            chunk = [b[:hi - lo] for b in self._buffers[k]]
+            with streams.copy_in(k):
+                for b, h in zip(chunk, host):
+                    b.copy_(h[lo:hi], non_blocking=True)
+            streams.compute(k)
+            adamw_update(*chunk, grad[lo:hi], self._decay_views(chunk[0], lo, hi), self.cfg, lr, step)
+            updated(lo, hi, chunk[0])
+            with streams.copy_out(k):
+                for b, h in zip(chunk, host):
+                    h[lo:hi].copy_(b, non_blocking=True)
+        streams.finish()
+
+
+class _CopyStreams:
+    """The ordering of an offloaded step on a GPU: buffer k's copy in waits until its last copy out
+    is done, its update waits for its copy in, its copy out for its update. Elsewhere every copy
+    is synchronous and this does nothing."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if not self.cuda:
+            return
+        self.main = torch.cuda.current_stream(device)
+        self.h2d, self.d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        # the previous step's copies and this step's gradient come before anything here
+        self.h2d.wait_stream(self.main)
+        self.d2h.wait_stream(self.main)
+        self.loaded = [torch.cuda.Event() for _ in range(2)]
+        self.freed: list[torch.cuda.Event | None] = [None, None]
+
+    @contextlib.contextmanager
+    def copy_in(self, k: int):
+        if not self.cuda:
+            yield
+            return
+        if self.freed[k] is not None:
+            self.h2d.wait_event(self.freed[k])
+        with torch.cuda.stream(self.h2d):
+            yield
+        self.loaded[k].record(self.h2d)
+
+    def compute(self, k: int) -> None:
+        if self.cuda:
+            self.main.wait_event(self.loaded[k])
+
+    @contextlib.contextmanager
+    def copy_out(self, k: int):
+        if not self.cuda:
+            yield
+            return
+        self.d2h.wait_stream(self.main)
+        with torch.cuda.stream(self.d2h):
+            yield
+        self.freed[k] = torch.cuda.Event()
+        self.freed[k].record(self.d2h)
+
+    def finish(self) -> None:
+        if self.cuda:
+            self.main.wait_stream(self.d2h)
+            self.main.wait_stream(self.h2d)
