@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from generation import LLAMA_8B, TINY, kernel_timed, llama_config, measure_bandwidth, random_model  # noqa: E402
-from iteration import QWEN3_1_7B  # noqa: E402
+from iteration import SHAPES  # noqa: E402
 
 from shardflow.engine.generate.decode_attention import (  # noqa: E402
     BLOCK_N,
@@ -53,7 +53,7 @@ def model_config(name: str):
 
     from shardflow.config.model import ModelConfig
 
-    hf = Qwen3Config(**QWEN3_1_7B, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    hf = Qwen3Config(**SHAPES["qwen3-1.7b"], rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
     hf.architectures = ["Qwen3ForCausalLM"]
     return ModelConfig.from_hf_dict(hf.to_dict())
 

@@ -2,10 +2,15 @@
 
     python bench/iteration.py --out runs/bench-iteration          # GPU: Qwen3-1.7B shape, bf16
     python bench/iteration.py --out runs/bench-iteration --tiny   # any machine: a tiny shape
+    python bench/iteration.py --out runs/bench-8b --shape qwen3-8b --workload small --with-ref --skip-trl \
+        --skip-planner --set models.actor.offload_optimizer=true --set models.actor.gradient_checkpointing=true
 
-Workload (GPU): random Qwen3-1.7B-shaped weights, 32 prompts x 8 samples x 512 forced response
-tokens (EOS ignored), one optimizer step per iteration, no KL term (TRL's default beta=0), a cheap
-rule reward that varies within groups. Both systems run in their own process, one after the other.
+Workload (GPU, default): random Qwen3-1.7B-shaped weights, 32 prompts x 8 samples x 512 forced
+response tokens (EOS ignored), one optimizer step per iteration, no KL term (TRL's default
+beta=0), a cheap rule reward that varies within groups; ``--shape`` and ``--workload`` pick
+others (``long``: 16 prompts x 16 samples x 1024 tokens after 200-token prompts), ``--with-ref``
+adds the reference model and a KL term, ``--cold-and-warm`` measures the first iteration on an
+empty compile cache and then on the cache that run filled. Both systems run in their own process, one after the other.
 TRL's per-device micro-batch is a knob of its own (TRL's default is 8, this script's 32):
 ``--trl-micro-batches`` runs TRL once per value, each against the same shardflow run.
 Reported: seconds per iteration (median after the first, which includes warm-up), the speed-up
@@ -38,15 +43,30 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                  tie_word_embeddings=True, rope_theta=1000000.0)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
-            tie_word_embeddings=True)
+QWEN3 = dict(head_dim=128, num_key_value_heads=8, vocab_size=151936, max_position_embeddings=40960,
+             rope_theta=1000000.0)
+SHAPES = {  # Qwen3's published shapes, random weights
+    "qwen3-0.6b": dict(QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       tie_word_embeddings=True),
+    "qwen3-1.7b": dict(QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       tie_word_embeddings=True),
+    "qwen3-4b": dict(QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     tie_word_embeddings=True),
+    "qwen3-8b": dict(QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
+                 tie_word_embeddings=True),
+}
 # trl_micro_batch: TRL's per-device micro-batch unless --trl-micro-batches says otherwise
-FULL_WORKLOAD = dict(prompts=32, samples_per_prompt=8, prompt_tokens=64, response_tokens=512, trl_micro_batch=32)
-TINY_WORKLOAD = dict(prompts=4, samples_per_prompt=4, prompt_tokens=8, response_tokens=8, trl_micro_batch=8)
+WORKLOADS = {
+    "default": dict(prompts=32, samples_per_prompt=8, prompt_tokens=64, response_tokens=512, trl_micro_batch=32),
+    # longer responses after longer prompts (the small-model case)
+    "long": dict(prompts=16, samples_per_prompt=16, prompt_tokens=200, response_tokens=1024, trl_micro_batch=32),
+    # a light workload for the largest shapes
+    "small": dict(prompts=8, samples_per_prompt=4, prompt_tokens=64, response_tokens=256, trl_micro_batch=8),
+    "tiny": dict(prompts=4, samples_per_prompt=4, prompt_tokens=8, response_tokens=8, trl_micro_batch=8),
+}
 
 
 def spread_reward(prompts, responses, answers) -> list[float]:
@@ -81,7 +101,7 @@ def prepare(work: Path, shape: dict, workload: dict) -> None:
     (work / "workload.json").write_text(json.dumps(workload))
 
 
-def shardflow_config(work: Path, workload: dict, iterations: int, out: Path) -> Path:
+def shardflow_config(work: Path, workload: dict, iterations: int, out: Path, with_ref: bool) -> Path:
     cfg = {
         "algorithm": {"name": "grpo", "batch_size": workload["prompts"], "micro_batch_tokens": 16384},
         "models": {"actor": {"path": str(work / "model"), "optim": {"lr": 1e-6}}},
@@ -93,6 +113,9 @@ def shardflow_config(work: Path, workload: dict, iterations: int, out: Path) -> 
         "run": {"iterations": iterations, "devices": 1, "out_dir": str(out), "resume": False,
                 "progress": False, "tensorboard": False, "checkpoints": False},
     }
+    if with_ref:  # a KL term to the reference, the same weights as the actor's start
+        cfg["algorithm"]["kl"] = {"coef": 0.01}
+        cfg["models"]["ref"] = {"path": str(work / "model")}
     path = work / "shardflow.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -168,18 +191,22 @@ def rooflines(shape: dict, workload: dict, bandwidth: float, flops: float) -> di
 # ----- runs -----------------------------------------------------------------------------------------
 
 
-def run_shardflow(work: Path, workload: dict, iterations: int, overrides: list[str]) -> dict:
+def run_shardflow(work: Path, workload: dict, iterations: int, overrides: list[str], with_ref: bool) -> dict:
     out = work / "shardflow-run"
-    config = shardflow_config(work, workload, iterations, out)
+    config = shardflow_config(work, workload, iterations, out, with_ref)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.time()
     subprocess.run([sys.executable, "-m", "shardflow.cli.main", "train", str(config), *overrides], check=True, env=env)
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    first_end = rows[0]["time"] - started_at  # from the command to iteration 1's metrics
     steady = rows[1:] if len(rows) > 1 else rows
     phases = {k.removeprefix("time/"): statistics.median(r[k] for r in steady) for k in steady[0]
               if k.startswith("time/") and not k.startswith("time/realloc")}
+    peaks = {k.removeprefix("memory/").removesuffix("/peak_gb"): max(r[k] for r in rows) for k in rows[0]
+             if k.startswith("memory/")}
     return {"iteration_s": [r["time/iteration"] for r in rows], "median_iteration_s": phases.pop("iteration"),
+            "peak_memory_gb": peaks, "first_iteration_end_s": first_end,
             "phases_s": phases, "tokens_per_s": statistics.median(r.get("generation/tokens_per_s", 0) for r in steady),
             "process_wall_s": wall}
 
@@ -244,6 +271,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--tiny", action="store_true", help="tiny shape and workload (CPU check)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
+    parser.add_argument("--with-ref", action="store_true", help="a reference model and KL term (GRPO with beta > 0)")
+    parser.add_argument("--cold-and-warm", action="store_true",
+                        help="run shardflow twice on one new compile cache: first empty (cold), then warm; the warm "
+                             "run is the one compared")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--trl-steps", type=int, default=3)
     parser.add_argument("--skip-trl", action="store_true")
@@ -255,7 +288,8 @@ def main() -> None:
                         help="a config override for shardflow's run, e.g. algorithm.micro_batch_tokens=32768 "
                              "(repeatable)")
     args = parser.parse_args()
-    shape, workload = (TINY, TINY_WORKLOAD) if args.tiny else (QWEN3_1_7B, FULL_WORKLOAD)
+    shape, workload = (SHAPES["tiny"], WORKLOADS["tiny"]) if args.tiny else (SHAPES[args.shape],
+                                                                            WORKLOADS[args.workload])
     batch = workload["prompts"] * workload["samples_per_prompt"]
     trl_micro_batches = args.trl_micro_batches or [workload["trl_micro_batch"]]
     if any(batch % n for n in trl_micro_batches):
@@ -270,8 +304,12 @@ def main() -> None:
         roof = rooflines(shape, workload, bandwidth, flops)
         result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                   "torch": torch.__version__, "shape": shape, "workload": workload, "roofline": roof,
-                  "overrides": args.set}
-        result["shardflow"] = ours = run_shardflow(work, workload, args.iterations, args.set)
+                  "overrides": args.set, "with_ref": args.with_ref}
+        overrides = list(args.set)
+        if args.cold_and_warm:  # both runs on one new cache directory; the first finds it empty
+            overrides.append(f"run.compile_cache={work / 'compile-cache'}")
+            result["cold"] = run_shardflow(work, workload, args.iterations, overrides, args.with_ref)
+        result["shardflow"] = ours = run_shardflow(work, workload, args.iterations, overrides, args.with_ref)
         (out / "iteration.json").write_text(json.dumps(result, indent=2))  # kept if the peer fails
         # The peer first: the planner's profile (minutes on a GPU) must not cost the comparison.
         result["trl"] = {}  # per-device micro-batch -> TRL's run, with the speed-up over it
@@ -302,6 +340,14 @@ def main() -> None:
           f"{ph.get('actor_train', 0):.2f} | {total_roof:.2f} |")
     for micro_batch, trl in result["trl"].items():
         print(f"| TRL GRPOTrainer, micro-batch {micro_batch} | {trl['median_step_s']:.2f} |  |  | {total_roof:.2f} |")
+    if "cold" in result:
+        cold = result["cold"]
+        print(f"cold compile cache: iteration 1 ends {cold['first_iteration_end_s']:.1f} s after the command "
+              f"(iteration 1 {cold['iteration_s'][0]:.1f} s, then {cold['median_iteration_s']:.2f} s); the run below "
+              "found the cache warm")
+    print(f"shardflow: iteration 1 ends {ours['first_iteration_end_s']:.1f} s after the command "
+          f"(iteration 1 {ours['iteration_s'][0]:.1f} s); peak device memory per call (GB): "
+          + (", ".join(f"{k} {v:.1f}" for k, v in ours["peak_memory_gb"].items()) or "not measured (no GPU)"))
     for micro_batch, trl in result["trl"].items():
         up = trl["speed_up"]
         print(f"speed-up over TRL at micro-batch {micro_batch}: {up['median']:.2f}x at the medians, "

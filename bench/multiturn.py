@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from generation import measure_bandwidth, random_model, sync  # noqa: E402
-from iteration import QWEN3_1_7B  # noqa: E402
+from iteration import SHAPES  # noqa: E402
 
 from shardflow.config.experiment import RewardConfig  # noqa: E402
 from shardflow.config.model import ModelConfig  # noqa: E402
@@ -167,7 +167,7 @@ def main() -> None:
     args.turn_tokens = args.turn_tokens or (16 if tiny else 256)
     args.observation_tokens = args.observation_tokens or (16 if tiny else 256)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = TINY if tiny else QWEN3_1_7B
+    shape = TINY if tiny else SHAPES["qwen3-1.7b"]
     cfg = qwen3_config(shape)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

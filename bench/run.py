@@ -64,6 +64,20 @@ SUITES: dict[str, tuple[Step, ...]] = {
         Step("shared_prompts", 160, "shared_prompts.py", (), ("shared_prompts.json",)),
         Step("token_stats", 60, "token_stats.py", (), ("token_stats.json",)),
     ),
+    # memory scale: the offloaded optimizer step against the host link, then the GRPO iteration
+    # (actor + reference) of a Qwen3-8B shape on one device with the optimizer state on the host
+    "memory": (
+        Step("optimizer_offload", 90, "optimizer_offload.py", (), ("optimizer_offload.json",)),
+        Step("iteration_8b", 460, "iteration.py",
+             ("--shape", "qwen3-8b", "--workload", "small", "--with-ref", "--skip-trl", "--skip-planner",
+              "--iterations", "3", "--set", "models.actor.offload_optimizer=true",
+              "--set", "models.actor.gradient_checkpointing=true"), ("iteration.json",)),
+    ),
+    # the first iteration on an empty compile cache, then on the one it filled
+    "first-iteration": (
+        Step("cold_and_warm", 420, "iteration.py", ("--cold-and-warm", "--iterations", "2", "--skip-trl",
+                                                    "--skip-planner"), ("iteration.json",)),
+    ),
     "realloc": (Step("realloc", 300, "realloc.py", (), ("realloc.json",)),),
     "adaptive": (
         Step("adaptive", 120, "adaptive_tp.py", (), ("adaptive_tp.json", "adaptive_trace_simulated.png",

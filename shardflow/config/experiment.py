@@ -333,6 +333,8 @@ class RunConfig(Settings):
     wandb: WandbConfig = section(WandbConfig, "Weights & Biases logging")
     mlflow: MlflowConfig = section(MlflowConfig, "MLflow logging")
     progress: bool = setting(True, "show progress bars")
+    compile_cache: str = setting("~/.cache/shardflow/compile", "where compiled graphs and kernels are kept between "
+                                 "runs on GPUs (empty: torch's defaults under the temporary directory)")
 
     @property
     def output_dir(self) -> Path:

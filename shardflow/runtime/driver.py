@@ -32,6 +32,7 @@ from shardflow.data.batch import SequenceBatch
 from shardflow.data.prompts import PromptSampler, completion_batch
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
 from shardflow.engine.adaptive.trace import GenerationTrace, plot_trace
+from shardflow.engine.compile_cache import use_compile_cache
 from shardflow.models.checkpoint import save_checkpoint
 from shardflow.parallel.world import World
 from shardflow.rl.advantages import KLController
@@ -78,6 +79,8 @@ class Run:
         config = self.config
         self.out_dir = config.run.output_dir
         seed_everything(config.run.seed + world.rank)
+        if world.device.type == "cuda":  # where torch.compile runs
+            use_compile_cache(config.run.compile_cache)
         world.create_groups(self.plan.layouts())
         world.groups.create(communication_groups(self.graph, self.plan))
 
@@ -135,6 +138,9 @@ class Run:
         world = self.world
         kind = CALL_KINDS[call.kind]
         report = walk.reports.setdefault(call.name, CallReport()) if round == 0 else CallReport()
+        cuda = world.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(world.device)
         start = time.time()
         if kind.uses_model:
             layout, slot = self.plan[call.name].layout, self.slots[call.model]
@@ -153,6 +159,8 @@ class Run:
             slot.done_with(layout)
         if world.rank in layout:
             report.span = (start, time.time())
+        if cuda:  # the most device memory that tensors held during the call, on this rank
+            report.metrics[f"memory/{call.name}/peak_gb"] = torch.cuda.max_memory_allocated(world.device) / 1e9
         if round > 0:
             walk.reports[call.name].absorb(report)
         for key in call.outputs:

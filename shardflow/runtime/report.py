@@ -30,6 +30,10 @@ def merge_reports(per_rank: list[dict], graph: Graph, plan, config: ExperimentCo
             summary.setdefault("_errors", []).append(f"{call.name}: {errors[0]}")
         if "reward/errors" in (key for _, r in reports for key in r.metrics):
             summary["reward/errors"] = sum(r.metrics.get("reward/errors", 0.0) for _, r in reports)
+        key = f"memory/{call.name}/peak_gb"
+        peaks = [r.metrics[key] for _, r in reports if key in r.metrics]
+        if peaks:  # GPU runs: the largest rank's peak
+            summary[key] = max(peaks)
         if call.kind is Kind.FUNCTION:
             continue
         realloc = [r.metrics.get(f"time/realloc/{call.name}", 0.0) for _, r in reports]

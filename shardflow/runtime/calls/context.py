@@ -47,10 +47,13 @@ class CallReport:
     errors: list[str] = field(default_factory=list)  # contained failures (a reward that raised), to report
 
     def absorb(self, other: "CallReport") -> None:
-        """Add another round of the same call (dynamic sampling): counts and times add up, lists
-        grow, the span covers both."""
+        """Add another round of the same call (dynamic sampling): counts and times add up, memory
+        peaks take the larger, lists grow, the span covers both."""
         for key, value in other.metrics.items():
-            self.metrics[key] = self.metrics.get(key, 0.0) + value
+            if key.startswith("memory/"):  # peaks: the larger
+                self.metrics[key] = max(self.metrics.get(key, 0.0), value)
+            else:
+                self.metrics[key] = self.metrics.get(key, 0.0) + value
         for key, values in other.rollout.items():
             self.rollout[key] = self.rollout.get(key, []) + values
         self.decode_steps += other.decode_steps

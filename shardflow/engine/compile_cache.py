@@ -1,0 +1,32 @@
+"""Compiled code that outlives the process: a run's first iteration reuses what an earlier run compiled.
+
+torch.compile's graphs (inductor's FX graph cache, AOTAutograd's forward and backward graphs) and
+triton's kernels are cached on disk by content. By default both caches sit under the temporary
+directory, which machines clear; ``use_compile_cache`` moves them to a directory of the run's
+choosing (``run.compile_cache``) and turns both graph caches on. Variables already set in the
+environment win, so a cluster's shared cache stays in charge.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+def use_compile_cache(directory: str) -> Path | None:
+    """Cache compiled graphs and kernels under ``directory`` (``~`` expanded; empty: torch's own
+    defaults). Returns the directory used, or None."""
+    if not directory:
+        return None
+    root = Path(directory).expanduser()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"run.compile_cache: cannot create {root}: {e}") from e
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+    return root
