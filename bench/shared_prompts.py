@@ -36,7 +36,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from iteration import QWEN3_1_7B  # noqa: E402
+from iteration import SHAPES  # noqa: E402
+
+QWEN3_1_7B = SHAPES["qwen3-1.7b"]
 from train_step import kernel_profile  # noqa: E402
 
 from shardflow.config.experiment import OptimConfig  # noqa: E402

@@ -5,7 +5,7 @@
 
 One micro-batch of a Qwen3 training call (16,384 tokens, vocabulary 151,936, bf16 logits): forward
 (log p of the targets, entropy) and backward (gradient of a weighted sum of both) through
-``token_logprobs_and_entropy``, once with the Triton kernels and once with the same math in torch
+``head_logprobs_and_entropy``, once with the Triton kernels and once with the same math in torch
 ops (what runs on CPU). Checks that both agree, and reports ms and GB/s of each against the copy
 bandwidth; the fused kernels' floor is one read of the logits forward and one read plus one write
 of their gradient backward. Prints a table and writes ``token_stats.json``.
@@ -45,7 +45,7 @@ def main() -> None:
     item = logits.element_size()
 
     def run(fused: bool):
-        """What ``token_logprobs_and_entropy``'s forward and backward do, with one implementation."""
+        """What ``head_logprobs_and_entropy``'s forward and backward do, with one implementation."""
         stats_fn, grad_fn = ((token_stats.local_stats_triton, token_stats.grad_triton) if fused else
                              (token_stats.local_stats_torch, token_stats.grad_torch))
         log_z, lp, h = token_stats.combine(stats_fn(logits, targets, 0, 1.0), None)

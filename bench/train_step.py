@@ -40,7 +40,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from iteration import QWEN3_1_7B  # noqa: E402
+from iteration import SHAPES as ITERATION_SHAPES  # noqa: E402
+QWEN3_1_7B = ITERATION_SHAPES["qwen3-1.7b"]
 
 from shardflow.config.experiment import OptimConfig  # noqa: E402
 from shardflow.config.model import ModelConfig  # noqa: E402

@@ -17,7 +17,7 @@ from shardflow.engine.micro_batches import split_by_tokens
 from shardflow.engine.train.engine import TrainEngine
 from shardflow.engine.train.optimizer import AdamW, check_schedule, lr_at
 from shardflow.models.checkpoint import load_model
-from shardflow.models.token_stats import token_logprobs_and_entropy
+from shardflow.models.token_stats import head_logprobs_and_entropy
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
 
@@ -100,23 +100,28 @@ def test_flat_adamw_matches_torch_adamw(offload):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprob_and_entropy_values_and_gradients_match_autograd(temperature):
-    logits = 3 * torch.randn(3, 5, 11)
-    logits[..., -2:] = float("-inf")  # vocabulary padding
-    targets = torch.randint(0, 9, (3, 5))
+@pytest.mark.parametrize("chunk_elements", [1 << 20, 15 * 4])
+def test_logprob_and_entropy_values_and_gradients_match_autograd(temperature, chunk_elements):
+    """The head in one chunk, and in chunks of 4 vocabulary columns (15 rows): one chunk holds the
+    first padding row, the last one nothing but padding. Against float64 log-softmax of the whole
+    logits, values and the gradients of both the hidden states and the head weight."""
+    hidden, weight = torch.randn(3, 5, 16), torch.randn(13, 16)  # rows 11 and 12: vocabulary padding
+    targets = torch.randint(0, 11, (3, 5))
     w_lp, w_h = torch.randn(3, 5), torch.randn(3, 5)
-    x1 = logits.clone().requires_grad_()
-    lp, h = token_logprobs_and_entropy(x1, targets, 0, None, temperature=temperature)
+    h1, v1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, h = head_logprobs_and_entropy(h1, v1, targets, 0, 11, None, temperature=temperature,
+                                      chunk_elements=chunk_elements)
     (lp * w_lp + h * w_h).sum().backward()
-    x2 = logits[..., :-2].double().requires_grad_()  # float64 reference
-    logp = torch.log_softmax(x2 / temperature, -1)
-    lp2, h2 = logp.gather(-1, targets[..., None])[..., 0], -(logp.exp() * logp).sum(-1)
-    (lp2 * w_lp.double() + h2 * w_h.double()).sum().backward()
+    h2, v2 = hidden.double().requires_grad_(), weight[:11].double().requires_grad_()  # float64 reference
+    logp = torch.log_softmax(h2 @ v2.T / temperature, -1)
+    lp2, ent2 = logp.gather(-1, targets[..., None])[..., 0], -(logp.exp() * logp).sum(-1)
+    (lp2 * w_lp.double() + ent2 * w_h.double()).sum().backward()
     # the engine works in float32: rounding of terms of size ~1-10
-    torch.testing.assert_close(lp, lp2.float(), atol=2e-6, rtol=0)
-    torch.testing.assert_close(h, h2.float(), atol=2e-6, rtol=0)
-    torch.testing.assert_close(x1.grad[..., :-2], x2.grad.float(), atol=4e-6, rtol=0)
-    assert not x1.grad[..., -2:].any()
+    torch.testing.assert_close(lp, lp2.float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(h, ent2.float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(h1.grad, h2.grad.float(), atol=2e-5, rtol=0)
+    torch.testing.assert_close(v1.grad[:11], v2.grad.float(), atol=2e-5, rtol=0)
+    assert not v1.grad[11:].any()
 
 
 # ----- bf16 model, float32 master weights ------------------------------------------------------

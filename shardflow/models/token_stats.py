@@ -1,9 +1,11 @@
-"""Log-probability of the target token and entropy, per row of (local) logits, in one pass.
+"""Log-probability of the target token and entropy from the LM head, without the whole logits.
 
 Training reads both from logits of [tokens, vocabulary] (16K x 152K for a Qwen3 micro-batch:
-5 GB in bf16). Done with torch ops, each step (upcast, max, exp, sums, softmax kept for backward)
-is a pass over that tensor in float32; these Triton kernels read the bf16 logits once forward and
-once backward (writing their gradient), keeping only per-row statistics in between.
+5 GB in bf16, twice that with its gradient). ``head_logprobs_and_entropy`` runs the head in
+chunks of vocabulary columns and keeps only per-row statistics of each (merged as the chunks
+come); backward computes each chunk's logits again. Done with torch ops, each step (upcast, max,
+exp, sums) is a pass over a chunk in float32; the Triton kernels read a bf16 chunk once forward
+and once backward (writing its gradient).
 
 Vocabulary-parallel: each rank's kernel returns statistics of its own columns relative to its
 own row maximum; ``combine`` rescales them to the global maximum and sums them over the tp group
@@ -128,13 +130,25 @@ def grad_triton(x, targets, vocab_start, scale, log_z, entropy, grad_lp, grad_h)
     return g
 
 
+def _rescaled(stats: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """[3, N]: the sums of ``stats`` [N, 4] relative to ``row_max`` instead of their own maximum,
+    and the target logit."""
+    alpha = torch.exp(stats[:, 0] - row_max)
+    return torch.stack([stats[:, 1] * alpha, (stats[:, 2] + (stats[:, 0] - row_max) * stats[:, 1]) * alpha,
+                        stats[:, 3]])
+
+
+def merge(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The statistics [N, 4] of two disjoint column sets of the same rows, as those of their union."""
+    row_max = torch.maximum(a[:, 0], b[:, 0])
+    return torch.cat([row_max[None], _rescaled(a, row_max) + _rescaled(b, row_max)]).T.contiguous()
+
+
 def combine(stats: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Local [N, 4] statistics -> (log Z, log p(target), entropy), each [N], over the tp group."""
     row_max = stats[:, 0].clone()
     all_reduce(row_max, group, ReduceOp.MAX)
-    alpha = torch.exp(stats[:, 0] - row_max)
-    s = stats[:, 1] * alpha
-    sums = torch.stack([s, (stats[:, 2] + (stats[:, 0] - row_max) * stats[:, 1]) * alpha, stats[:, 3]])
+    sums = _rescaled(stats, row_max)
     all_reduce(sums, group)
     log_s = sums[0].log()
     log_z = row_max + log_s
@@ -145,29 +159,71 @@ def _fused(x: torch.Tensor) -> bool:
     return x.is_cuda and triton is not None
 
 
-class _TokenStats(torch.autograd.Function):
+CHUNK_ELEMENTS = 1 << 28  # logits per column chunk: 512 MiB in bf16
+
+
+def chunk_width(rows: int, columns: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    """Columns per chunk: about ``chunk_elements`` logits (a multiple of 256 columns when wider), at
+    most all of them."""
+    width = max(1, chunk_elements // max(rows, 1))
+    return min(width - width % 256 if width > 256 else width, columns)
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, lo: int, hi: int, real_vocab: int) -> torch.Tensor:
+    """Logits [N, hi - lo] of local vocabulary rows [lo, hi); rows past ``real_vocab`` (padding) at -inf."""
+    logits = hidden @ weight[lo:hi].T
+    if real_vocab < hi:
+        logits[:, max(real_vocab - lo, 0):] = float("-inf")
+    return logits
+
+
+class _HeadStats(torch.autograd.Function):
+    """The LM head and the statistics of its softmax in chunks of vocabulary columns: forward keeps
+    per-row statistics only (merged over the chunks, then over the tp group); backward computes
+    each chunk's logits again, and from its gradient that chunk's rows of the weight gradient and
+    its share of the hidden states' gradient. No [tokens, vocabulary] tensor is ever whole."""
+
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, scale, group):
-        stats = (local_stats_triton if _fused(logits) else local_stats_torch)(logits, targets, vocab_start, scale)
+    def forward(ctx, hidden, weight, targets, vocab_start, real_vocab, scale, group, width):
+        stats_fn = local_stats_triton if _fused(hidden) else local_stats_torch
+        stats = None
+        for lo in range(0, weight.shape[0], width):
+            hi = min(lo + width, weight.shape[0])
+            part = stats_fn(_chunk_logits(hidden, weight, lo, hi, real_vocab), targets, vocab_start + lo, scale)
+            stats = part if stats is None else merge(stats, part)
         log_z, logprobs, entropy = combine(stats, group)
-        ctx.save_for_backward(logits, targets, log_z, entropy)
-        ctx.vocab_start, ctx.scale = vocab_start, scale
+        ctx.save_for_backward(hidden, weight, targets, log_z, entropy)
+        ctx.vocab_start, ctx.real_vocab, ctx.scale, ctx.width = vocab_start, real_vocab, scale, width
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_lp, grad_h):
-        logits, targets, log_z, entropy = ctx.saved_tensors
-        grad = grad_triton if _fused(logits) else grad_torch
-        g = grad(logits, targets, ctx.vocab_start, ctx.scale, log_z, entropy,
-                 grad_lp.float().contiguous(), grad_h.float().contiguous())
-        return g, None, None, None, None
+        hidden, weight, targets, log_z, entropy = ctx.saved_tensors
+        grad_fn = grad_triton if _fused(hidden) else grad_torch
+        grad_lp, grad_h = grad_lp.float().contiguous(), grad_h.float().contiguous()
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        for lo in range(0, weight.shape[0], ctx.width):
+            hi = min(lo + ctx.width, weight.shape[0])
+            logits = _chunk_logits(hidden, weight, lo, hi, ctx.real_vocab)
+            g = grad_fn(logits, targets, ctx.vocab_start + lo, ctx.scale, log_z, entropy, grad_lp, grad_h)
+            del logits
+            if grad_weight is not None:
+                grad_weight[lo:hi] = g.T @ hidden
+            grad_hidden += g @ weight[lo:hi]
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None
 
 
-def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group, *,
-                               temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(targets), entropy), float32 [...], of softmax(logits / temperature) for local logits
-    [..., V_local] (vocabulary split over ``group``). Both are differentiable."""
-    shape = logits.shape[:-1]
-    lp, h = _TokenStats.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).contiguous(),
-                              vocab_start, 1.0 / temperature, group)
+def head_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                              real_vocab: int, group, *, temperature: float = 1.0,
+                              chunk_elements: int = CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(targets), entropy), float32 [...], of softmax(hidden @ weight.T / temperature) for
+    hidden states [..., H] and the local head rows ``weight`` [V_local, H] (vocabulary split over
+    ``group``, local rows from ``real_vocab`` on are padding). Both are differentiable, with
+    respect to the hidden states and the weight."""
+    shape = hidden.shape[:-1]
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    width = chunk_width(flat.shape[0], weight.shape[0], chunk_elements)
+    lp, h = _HeadStats.apply(flat, weight, targets.reshape(-1).contiguous(), vocab_start, real_vocab,
+                             1.0 / temperature, group, width)
     return lp.view(shape), h.view(shape)

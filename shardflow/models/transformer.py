@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from shardflow.config.model import ModelConfig, RopeConfig
 from shardflow.models.packed_attention import PackedSequences, packed_attention
 from shardflow.models.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
-from shardflow.models.token_stats import token_logprobs_and_entropy
+from shardflow.models.token_stats import head_logprobs_and_entropy
 from shardflow.parallel.comm import copy_to_tp
 from shardflow.parallel.sharding import RankShard
 
@@ -298,9 +298,11 @@ class Transformer(nn.Module):
 
     def token_stats(self, hidden: torch.Tensor, targets: torch.Tensor,
                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log p(targets), entropy) [B,T] of softmax(logits / temperature), both differentiable."""
-        return token_logprobs_and_entropy(self.logits(hidden), targets, self.shard.vocab_start, self.tp_group,
-                                          temperature=temperature)
+        """(log p(targets), entropy) [B,T] of softmax(logits / temperature), both differentiable;
+        the head runs in chunks of the vocabulary (``models.token_stats``)."""
+        return head_logprobs_and_entropy(copy_to_tp(hidden, self.tp_group), self.head_weight(), targets,
+                                         self.shard.vocab_start, self.real_vocab, self.tp_group,
+                                         temperature=temperature)
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
         """Scalar per token [B,T] from the value head."""
