@@ -135,7 +135,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(pool, checkpoints):
             assert torch.equal(g, recomputed[1][name]), name  # the same operations, recomputed
 
 
-def resume_job(world, path: str, layout_text: str, other_text: str, batches, saved: str, sharded: bool):
+def resume_job(world, path: str, layout_text: str, other_text: str, batches, saved: str, sharded: bool,
+               offloaded: bool = False):
     """Engine A takes a step and saves its state by tensor name, then takes a second step. Engine
     B (A's layout) loads the state and takes the second step: both must end bit for bit equal.
     Engine C, in another layout, loads the same state: its slices are returned for assembly."""
@@ -145,7 +146,8 @@ def resume_job(world, path: str, layout_text: str, other_text: str, batches, sav
 
     def engine(where):
         model, _ = load_model(path, where, world)
-        return model, TrainEngine(model, where, world, OPTIM, bucket_numel=BUCKET, shard_optimizer=sharded)
+        return model, TrainEngine(model, where, world, OPTIM, bucket_numel=BUCKET, shard_optimizer=sharded,
+                                  offload_optimizer=offloaded)
 
     out = {}
     if world.rank in layout:
@@ -190,12 +192,13 @@ def assembled(parts: list[dict]) -> dict:
     return full
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_resume_from_optimizer_state_by_name_under_the_same_and_another_layout(pool, checkpoints, tmp_path, sharded):
+@pytest.mark.parametrize("sharded,offloaded", [(False, False), (True, False), (True, True)])
+def test_resume_from_optimizer_state_by_name_under_the_same_and_another_layout(pool, checkpoints, tmp_path, sharded,
+                                                                               offloaded):
     path = checkpoints.get("llama", "llama")
     batches = [make_batch(128, seed=1), make_batch(128, seed=2)]
     other = "d2p1t2@4-7" if sharded else "d1p2t2@4-7"
-    results = pool.run(resume_job, path, "d2p2t1@0-3", other, batches, str(tmp_path / "state"), sharded)
+    results = pool.run(resume_job, path, "d2p2t1@0-3", other, batches, str(tmp_path / "state"), sharded, offloaded)
     resumed = [r["resumed"] for r in results if "resumed" in r]
     assert len(resumed) == 4
     for same, metrics_a, metrics_b, steps_a, steps_b in resumed:
