@@ -113,9 +113,11 @@ class Roofline:
         return gemm + elem + c.layer_overhead_s
 
     def head_backward(self, s: HeadShape, c: Cluster, tokens: float) -> float:
+        """The head's two gradient products and its logits computed again (the head runs in chunks
+        of the vocabulary and keeps none of them, ``models.token_stats``)."""
         params = s.hidden * s.vocab
-        gemm = _max(4 * tokens * params / (c.matmul_flops * self.matmul_efficiency),
-                   2 * params * self.dtype_bytes / c.hbm_bandwidth)
+        gemm = _max(6 * tokens * params / (c.matmul_flops * self.matmul_efficiency),
+                   3 * params * self.dtype_bytes / c.hbm_bandwidth)
         elem = tokens * (4 * s.hidden * self.dtype_bytes + 3 * 4 * s.vocab) / c.hbm_bandwidth
         return gemm + elem + c.layer_overhead_s
 
