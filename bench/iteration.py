@@ -244,7 +244,7 @@ def planner_estimates(work: Path, ours: dict, workload: dict) -> dict:
     # The quick grid (a few tiny, launch-bound sizes) is a smoke test: extrapolated to this workload's
     # micro-batches it is off by orders of magnitude, so on a GPU the full grid is measured.
     profile = run_profile(str(work / "model"), str(profile_path), tps="1", quick=not cuda, ranks=1,
-                          cuda_graphs=cuda, echo=lambda *a: None)
+                          cuda_graphs=cuda)
     config = load_config(work / "shardflow.yaml")
     problem = problem_from_config(config, Cluster.for_devices(1), profile=profile,
                                   prompt_tokens=workload["prompt_tokens"],
