@@ -41,8 +41,9 @@ def test_benchmark_runs_on_cpu(script, tmp_path):
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
     result = json.loads((tmp_path / written).read_text())
     assert isinstance(result, dict)
-    # parts that a script contains (so that its measurements survive) must not have failed either
-    assert "error" not in result.get("planner", {}) and "trl_error" not in result, result
+    # the planner's estimate is contained (so that the measurements survive) but must not fail here
+    # (TRL may: it is not a test dependency)
+    assert "error" not in result.get("planner", {}), result["planner"]
 
 
 def check_decode_profile_summary() -> None:
