@@ -104,7 +104,8 @@ class TrainEngine:
         decay = [(at, at + count) for n in matrices for _, at, count in self.grads.spans(n)]
         self.optimizer = AdamW(master, decay, optim, offload=offload_optimizer, device=self.device)
         # sharded: the updated weights of the owned pieces in the model's dtype, all-gathered after the update
-        self._weight_part = torch.empty_like(master, dtype=self._params[0].dtype) if self.sharded else None
+        self._weight_part = torch.empty(master.numel(), dtype=self._params[0].dtype, device=self.device) \
+            if self.sharded else None
         # Gradient elements this rank counts in the global norm: replica 0's when the replicas hold
         # equal reduced gradients, each replica's own pieces when they are sharded.
         counts = self.sharded or self.shard.coord.dp == 0
@@ -229,19 +230,16 @@ class TrainEngine:
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's reduced (and clipped) float32 gradients by parameter name, whole (gathered
         over dp when sharded: a collective)."""
-        flat = self._gathered(self.grads.part) if self.sharded else self.grads.flat
-        return {n: flat[a:b].view(p.shape) for n, p, (a, b) in
-                zip(self.grads.names, self._params, (self.grads.slices[n] for n in self.grads.names))}
+        return self._named_views(self._gathered(self.grads.part) if self.sharded else self.grads.flat)
+
+    def _named_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of ``flat`` (laid out like the gradient buffer) by parameter name, shaped like them."""
+        return {n: flat[a:b].view(p.shape) for n, p in zip(self.grads.names, self._params)
+                for a, b in [self.grads.slices[n]]}
 
     def optimizer_bytes(self) -> int:
         """Bytes of this rank's optimizer state (master weights and both moments)."""
         return sum(getattr(self.optimizer, k).numel() * 4 for k in OPTIMIZER_TENSORS)
-
-    def device_optimizer_bytes(self) -> int:
-        """Bytes of optimizer state on the training device: all of it, or (offloaded) the chunks in flight."""
-        if not self.optimizer.offload:
-            return self.optimizer_bytes()
-        return sum(b.numel() * 4 for chunk in self.optimizer._buffers for b in chunk)
 
     def _check_batch(self, batch: SequenceBatch, temperature: float) -> None:
         if len(batch) == 0:
@@ -270,8 +268,7 @@ class TrainEngine:
             if self.optimizer.offload and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the last step's copies out have landed
             flat = self._gathered(getattr(self.optimizer, kind))
-        return {n: flat[a:b].view(p.shape) for n, p, (a, b) in
-                zip(self.grads.names, self._params, (self.grads.slices[n] for n in self.grads.names))}
+        return self._named_views(flat)
 
     def _state_views(self) -> dict[str, dict[str, torch.Tensor]]:
         return {kind: self._kind_views(kind) for kind in OPTIMIZER_TENSORS}
