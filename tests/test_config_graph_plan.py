@@ -128,3 +128,25 @@ def test_merged_layouts_nest_every_shard():
                 old = before[name]
                 if ts.dim is not None:
                     assert old.start <= ts.start and ts.stop <= old.stop, (str(src), str(dst), rank, name)
+
+
+def test_what_a_run_keeps_in_host_memory_is_checked_before_it_starts(base_file):
+    """Offloaded optimizer state (12 bytes per parameter) and offloaded frozen weights (their dtype's
+    bytes: float32 here) over all ranks must fit in 90% of the host's available memory."""
+    import torch
+
+    from shardflow.plan.memory import rank_params
+    from shardflow.runtime.validate import check_host_memory
+
+    config = load_config(base_file, ["algorithm.kl.coef=0.1", "models.ref.path=r",
+                                     "models.actor.offload_optimizer=true", "models.ref.offload=true"])
+    graph = build_graph(config)
+    model = ModelConfig.from_hf_dict(tiny_hf_config("llama").to_dict())
+    plan = symmetric_plan(graph, 1)
+    needed = 12 * rank_params(model, 1, 1) + 4 * rank_params(model, 1, 1)
+    cpu = torch.device("cpu")
+    check_host_memory(config, graph, {"actor": model, "ref": model}, plan, cpu, int(needed / 0.9) + 1)
+    check_host_memory(config, graph, {"actor": model, "ref": model}, plan, cpu, None)  # unknown: not checked
+    with pytest.raises(ValueError, match=r"host memory: the run would keep .* GiB there \(models.actor."
+                                         r"offload_optimizer .* GiB, models.ref.offload .* GiB\)"):
+        check_host_memory(config, graph, {"actor": model, "ref": model}, plan, cpu, needed)

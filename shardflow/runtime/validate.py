@@ -23,6 +23,7 @@ from shardflow.config.model import ModelConfig
 from shardflow.data.prompts import Prompt, load_prompts
 from shardflow.data.sources import Source, check_source, source_of
 from shardflow.plan.execution_plan import ExecutionPlan, symmetric_plan
+from shardflow.plan.memory import rank_params
 from shardflow.rl.algorithms import algorithm_named
 from shardflow.rl.algorithms.base import Algorithm, check_knobs
 from shardflow.rl.envs import check_env
@@ -32,6 +33,7 @@ from shardflow.rl.graphs import reward_call
 from shardflow.rl.rewards import reward_function, reward_kind
 from shardflow.runtime import checkpointing
 from shardflow.runtime.calls.rollouts import env_spec, episode_output_limit
+from shardflow.runtime.models import compute_dtype
 
 # Which model kind each role needs: a value head for critics and reward models.
 VALUE_ROLES = ("critic", "reward")
@@ -194,6 +196,41 @@ def check_plan(config: ExperimentConfig, graph: Graph, models: dict[str, ModelCo
     return plan
 
 
+def host_available_bytes() -> int | None:
+    """Memory the host can still give (MemAvailable of /proc/meminfo), or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_memory(config: ExperimentConfig, graph: Graph, models: dict[str, ModelConfig], plan: ExecutionPlan,
+                      device: torch.device, available: int | None) -> None:
+    """What the run keeps in host memory (offloaded optimizer state of trained models, offloaded
+    weights of frozen ones), over all ranks of this machine, must fit in ``available`` bytes:
+    pinning more fails late or takes the machine down."""
+    if available is None:
+        return
+    needed: dict[str, float] = {}
+    for role in graph.models():
+        spec, cfg = config.models[role], models[role]
+        layout = plan[graph.home_call(role).name].layout
+        params = rank_params(cfg, layout.pp, layout.tp) * len(layout.ranks)  # summed over the ranks
+        if spec.offload_optimizer and role in graph.trained_models():
+            needed[f"models.{role}.offload_optimizer"] = 12 * params / (layout.dp if spec.shard_optimizer else 1)
+        elif spec.offload and role not in graph.trained_models():
+            needed[f"models.{role}.offload"] = params * compute_dtype(spec, device).itemsize
+    total = sum(needed.values())
+    if total > 0.9 * available:
+        parts = ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in needed.items())
+        raise ValueError(f"host memory: the run would keep {total / 2**30:.1f} GiB there ({parts}) but "
+                         f"{available / 2**30:.1f} GiB are available; shard the optimizer over more "
+                         "data-parallel replicas (models.<role>.shard_optimizer) or offload less")
+
+
 def prepare(config: ExperimentConfig) -> Prepared:
     config, algorithm, graph = check_config(config)
     models = model_configs(config, graph)
@@ -201,6 +238,8 @@ def prepare(config: ExperimentConfig) -> Prepared:
     if backend == "nccl" and torch.cuda.device_count() < config.run.devices:
         raise ValueError(f"run.devices={config.run.devices} but this machine has {torch.cuda.device_count()} GPUs")
     plan = check_plan(config, graph, models)
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    check_host_memory(config, graph, models, plan, device, host_available_bytes())
     if algorithm.online:
         check_context(config, models["actor"])
     check_source(source_of(config.data, "data"))
