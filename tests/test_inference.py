@@ -98,13 +98,14 @@ def test_outputs_at_response_tokens_only(checkpoints, value_head):
     with torch.no_grad():
         ref = reference_outputs(auto.from_pretrained(path, dtype=torch.float32), batch, value_head)[what]
     head_rows = []
-    head = model.values if value_head else model.logits
+    name = "values" if value_head else "token_stats"  # the LM head runs inside token_stats
+    head = getattr(model, name)
 
-    def recording(hidden):
+    def recording(hidden, *args, **kwargs):
         head_rows.append(hidden.reshape(-1, hidden.shape[-1]).shape[0])
-        return head(hidden)
+        return head(hidden, *args, **kwargs)
 
-    setattr(model, "values" if value_head else "logits", recording)
+    setattr(model, name, recording)
     got = infer(model, Layout((0,)), world, batch, what, micro_batch_tokens=64,
                 outputs_at="loss_mask").token_fields[what]
     first = torch.zeros(batch.num_tokens, dtype=torch.bool)
