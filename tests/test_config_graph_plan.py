@@ -48,6 +48,8 @@ def test_overrides_types_and_unknown_keys(base_file):
     with pytest.raises(ValueError, match="generation.blas_library must be one of '', cublas, cublaslt; got 'mkl'"):
         load_config(base_file, ["generation.blas_library=mkl"])
     assert load_config(base_file, ["generation.blas_library=cublaslt"]).generation.blas_library == "cublaslt"
+    with pytest.raises(ValueError, match="generation.kv_block_size must be a multiple of 16, got 24"):
+        load_config(base_file, ["generation.kv_block_size=24"])
 
 
 def test_offload_settings_name_the_model_they_do_not_fit(base_file):

@@ -82,6 +82,73 @@ def check_shared_prompts() -> None:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"shared prompts, splits {splits}")
 
 
+def paged_copy(kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, block: int, g: torch.Generator,
+               share: dict[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slots of contiguous caches [S,K,M,d] cut into blocks of ``block`` positions, placed in
+    shuffled blocks of a pool with spare ones: (k pool, v pool, block rows [B, M / block]).
+    ``share`` {row: row it shares with}: a row's leading whole blocks that equal the other's are
+    that row's blocks (as a prompt's samples share them)."""
+    S, K, M, d = kc.shape
+    n = M // block
+    total = len(slots) * n + 3
+    order = torch.randperm(total, generator=g)
+    rows = order[: len(slots) * n].view(len(slots), n).clone()
+    for row, other in (share or {}).items():
+        same = [(kc[slots[row], :, j * block:(j + 1) * block] == kc[slots[other], :, j * block:(j + 1) * block]).all()
+                for j in range(n)]
+        lead = next((j for j, eq in enumerate(same) if not eq), n)
+        rows[row, :lead] = rows[other, :lead]
+    pools = []
+    for c in (kc, vc):
+        pool = torch.randn(total, K, block, d, generator=g).to(c.dtype)
+        for b, slot in enumerate(slots.tolist()):
+            for j in range(n):
+                if (share or {}).get(b) is None or not (rows[b, j] == rows[share[b], j]):
+                    pool[rows[b, j]] = c[slot, :, j * block:(j + 1) * block]
+        pools.append(pool)
+    return pools[0], pools[1], rows
+
+
+def check_paged() -> None:
+    """Rows whose positions lie in scattered blocks (a paged cache) give the outputs of their
+    contiguous slots: blocks of 16 and of 48 positions (tiles of 64 straddle them), windows, GQA,
+    bf16, several splits; and a prompt's samples sharing their prompt's whole blocks, read once."""
+    from shardflow.engine.generate.decode_attention import decode_attention_triton
+
+    g = torch.Generator().manual_seed(5)
+    for H, K, d, dtype, window, block in ((4, 2, 16, torch.float32, None, 16), (6, 2, 24, torch.float32, 40, 48),
+                                         (8, 1, 32, torch.bfloat16, None, 48)):
+        lengths = torch.tensor([1, 64, 65, 288, 137, 2, 90, 287])
+        slots = torch.tensor([2, 0, 5, 3, 1, 7, 6, 4])
+        kc = torch.randn(8, K, 288, d, generator=g).to(dtype)
+        vc = torch.randn(8, K, 288, d, generator=g).to(dtype)
+        q = torch.randn(8, H, d, generator=g).to(dtype)
+        want = decode_attention_torch(q.float(), kc.float(), vc.float(), slots, lengths, window)
+        kp, vp, rows = paged_copy(kc, vc, slots, block, g)
+        torch.testing.assert_close(decode_attention_torch(q.float(), kp.float(), vp.float(), rows, lengths, window),
+                                   want, atol=1e-5, rtol=0)
+        for splits in (1, 3):
+            got = decode_attention_triton(q, kp, vp, rows, lengths, window, splits=splits).float()
+            atol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"paged {H} {K} {d} {dtype} {window} {block}")
+    # a prompt of 40 positions shared by rows 0-2 (two whole blocks of 16), of 5 by rows 3-4 (none)
+    H, K, d, block = 4, 2, 16, 16
+    groups, prompt = torch.tensor([0, 0, 0, 1, 1, -1]), torch.tensor([40, 40, 40, 5, 5, 0])
+    slots = torch.arange(6)
+    kc, vc = torch.randn(6, K, 96, d, generator=g), torch.randn(6, K, 96, d, generator=g)
+    for members, n in (([0, 1, 2], 40), ([3, 4], 5)):
+        kc[members, :, :n] = kc[members[:1], :, :n]
+        vc[members, :, :n] = vc[members[:1], :, :n]
+    lengths = prompt + torch.tensor([30, 9, 56, 1, 20, 70])
+    q = torch.randn(6, H, d, generator=g)
+    want = decode_attention_torch(q, kc, vc, slots, lengths, None)
+    kp, vp, rows = paged_copy(kc, vc, slots, block, g, share={1: 0, 2: 0, 4: 3})
+    assert (rows[1:3, :2] == rows[0, :2]).all() and not (rows[1:3, 2] == rows[0, 2]).any()
+    for splits in (1, 3):
+        got = decode_attention_triton(q, kp, vp, rows, lengths, None, (groups, prompt), splits=splits)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"paged shared prompts, splits {splits}")
+
+
 def check_engine(path: str) -> None:
     """Greedy and sampled generation with the Triton kernel equal the torch path's."""
     from gen_helpers import local_model, prompts
@@ -105,7 +172,8 @@ def check_engine(path: str) -> None:
 def check_engine_sharing_prompts(path: str) -> None:
     """With ``share_prompt_kv`` the engine's tokens and log-probabilities are the torch path's:
     two prompts of 11 samples each (more than PROMPT_ROWS: two prompt groups per prompt), rows
-    leaving after 1-5 tokens (the batch compacts), greedy and sampled."""
+    leaving after 1-5 tokens (the batch compacts), greedy and sampled; in a contiguous cache and in
+    a paged one (where the samples share their prompt's whole blocks)."""
     from dataclasses import replace
 
     from gen_helpers import local_model, prompts
@@ -115,29 +183,30 @@ def check_engine_sharing_prompts(path: str) -> None:
 
     model = local_model(path)
     outputs = {}
-    for attention in ("torch", "triton"):
-        engine = GenerationEngine(model, EngineConfig(max_seq_len=48, attention=attention, share_prompt_kv=True),
-                        eos_token_ids=())
+    for attention, block in (("torch", None), ("triton", None), ("triton", 16)):
+        engine = GenerationEngine(model, EngineConfig(max_seq_len=48, attention=attention, share_prompt_kv=True,
+                                                      kv_block_size=block), eos_token_ids=())
         shared = []  # the longest shared prompt each decode step passed to the attention
         inner = engine.attention
         engine.attention = lambda *args: (shared.append(int(args[6][1].max())), inner(*args))[1]
-        requests = make_requests(prompts()[:2], [SamplingParams(temperature=t, seed=3) for t in (0.0, 1.0)],
+        requests = make_requests(prompts()[1:3], [SamplingParams(temperature=t, seed=3) for t in (0.0, 1.0)],
                                  samples_per_prompt=11)
         for i, r in enumerate(requests):
             r.params = replace(r.params, max_new_tokens=1 + i % 5)
         engine.generate(requests)
         assert shared and min(shared) > 0
         assert {(r.prompt_group, r.shared_prompt) for r in requests} == {(-1, 0)}  # no KV held any more
-        outputs[attention] = requests
-    for a, b in zip(outputs["torch"], outputs["triton"]):
-        assert a.output_ids == b.output_ids
+        outputs[attention, block] = requests
+    for a, b, c in zip(outputs["torch", None], outputs["triton", None], outputs["triton", 16]):
+        assert a.output_ids == b.output_ids == c.output_ids
+        torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(c.output_logprobs), atol=1e-5, rtol=0)
         torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-5, rtol=0)
 
 
 def test_triton_kernel_matches_torch_in_the_interpreter(checkpoints):
     path = checkpoints.get("mistral_window", "mistral")  # a sliding window in decode too
     plain = checkpoints.get("llama_plain", "llama")
-    code = (f"import test_decode_attention as t; t.check_kernel(); t.check_shared_prompts(); "
+    code = (f"import test_decode_attention as t; t.check_kernel(); t.check_shared_prompts(); t.check_paged(); "
             f"t.check_engine({path!r}); t.check_engine_sharing_prompts({plain!r}); print('checked')")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
@@ -169,7 +238,7 @@ def test_kernels_compile_for_hopper():
 
     from shardflow.engine.generate import decode_attention as da
 
-    pointers = {"Q": "bf16", "K": "bf16", "V": "bf16", "Out": "bf16", "Slots": "i64", "Lengths": "i64",
+    pointers = {"Q": "bf16", "K": "bf16", "V": "bf16", "Out": "bf16", "Blocks": "i64", "Lengths": "i64",
                 "Groups": "i64", "Prompt": "i64"}
 
     def compile_for_hopper(fn, constants: dict) -> None:
@@ -182,7 +251,9 @@ def test_kernels_compile_for_hopper():
 
     knobs = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK=da.BLOCK_N, PRECISION="tf32", UPCAST=False)
     for group in (2, 4):  # Qwen3-1.7B's and LLaMA-3.1-8B's query heads per KV head
-        for splits, shared in ((1, False), (3, False), (1, True), (3, True)):
-            compile_for_hopper(da._split_kernel, dict(knobs, GROUP=group, SPLITS=splits, BLOCK_H=16, SHARED=shared))
-        compile_for_hopper(da._prompt_kernel, dict(knobs, GROUP=group, ROWS=da.PROMPT_ROWS,
-                                                   BLOCK_Q=max(16, da.PROMPT_ROWS * group)))
+        for paged in (False, True):
+            for splits, shared in ((1, False), (3, False), (1, True), (3, True)):
+                compile_for_hopper(da._split_kernel, dict(knobs, GROUP=group, SPLITS=splits, BLOCK_H=16,
+                                                          SHARED=shared, PAGED=paged))
+            compile_for_hopper(da._prompt_kernel, dict(knobs, GROUP=group, ROWS=da.PROMPT_ROWS,
+                                                       BLOCK_Q=max(16, da.PROMPT_ROWS * group), PAGED=paged))

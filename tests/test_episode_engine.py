@@ -82,6 +82,25 @@ def test_continued_episodes_match_the_history_prefilled_afresh(checkpoints, fami
     assert engine.stats.prefill_tokens > 0
 
 
+def test_episodes_in_a_paged_cache_match_the_contiguous_one(checkpoints):
+    """Parked episodes hold their blocks between turns, and give them up (their history is then
+    recomputed at the next turn) when a cache of four 96-token sequences runs full."""
+    path = checkpoints.get("episode_llama", "llama")
+    model = local_model(path)
+    params = SamplingParams(max_new_tokens=TURN_TOKENS, temperature=0.0)
+    engine = GenerationEngine(model, EngineConfig(max_batch_size=8, max_seq_len=96), eos_token_ids=(2,))
+    want = run_episodes(engine, make_requests(prompts(), params, 2), 128)
+    per_block = 16 * engine.cache.k[0][0, :, 0].numel() * 4 * 2 * len(engine.cache.k)
+    paged = GenerationEngine(model, EngineConfig(max_batch_size=8, max_seq_len=96, kv_block_size=16,
+                                                 kv_cache_bytes=25 * per_block), eos_token_ids=(2,))
+    got = run_episodes(paged, make_requests(prompts(), params, 2), 128)
+    assert paged.cache.num_blocks == 24 and paged.stats.preemptions > 0
+    assert paged.cache.num_free_blocks == paged.cache.num_blocks
+    for a, b in zip(got, want):
+        assert a.output_ids == b.output_ids and a.observation_spans == b.observation_spans
+        torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-5, rtol=0)
+
+
 def episodes_job(world, path: str, layout_text: str, prompt_ids: list[list[int]]):
     layout = Layout.parse(layout_text)
     world.create_groups([layout])

@@ -116,6 +116,29 @@ def test_sampled_tokens_do_not_depend_on_layout_or_batch(pool, checkpoints):
         assert [t for t, _, _ in alone[layout][3:6]] == [t for t, _, _ in reference[3:6]], layout
 
 
+def test_paged_cache_under_tensor_and_data_parallel_layouts(pool, checkpoints):
+    """A paged cache too small for the batch on every rank: the ranks of a replica take the same
+    block and preemption decisions, and the tokens are those of one rank with a contiguous cache."""
+    from shardflow.config.model import ModelConfig
+    from shardflow.engine.generate.kv_cache import bytes_per_position
+    from shardflow.parallel.sharding import shard_for
+
+    path = checkpoints.get("llama", "llama")
+    ids = prompts()
+    params = [dict(max_new_tokens=20, temperature=1.0, seed=7), dict(max_new_tokens=16, temperature=0.0)] * 2
+    reference = merged(pool, path, ["d1p1t1@0"], ids, params, 3, dict(max_seq_len=64))["d1p1t1@0"]
+    layouts = ["d1p1t2@0-1", "d2p1t2@2-5"]
+    cfg = ModelConfig.from_pretrained(path)
+    # 8 blocks of 16 and the scratch block per rank: 12 requests of 21-50 tokens outgrow it
+    budget = 9 * 16 * bytes_per_position(shard_for(cfg, Layout.parse(layouts[0]), 0), cfg, torch.float32)
+    results = merged(pool, path, layouts, ids, params, 3,
+                     dict(max_seq_len=64, kv_block_size=16, kv_cache_bytes=budget, max_batch_size=12))
+    for layout in layouts:
+        for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(results[layout], reference):
+            assert tokens == ref_tokens, layout
+            torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=LOGPROB_ATOL, rtol=0)
+
+
 def collectives_job(world, path: str):
     layout = Layout.parse("d1p1t2@0-1")
     world.create_groups([layout])

@@ -18,6 +18,8 @@ from shardflow.config.schema import Settings, section, setting
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # BLAS libraries the decode step's products can run under on GPUs
 BLAS_LIBRARIES = ("cublas", "cublaslt")
+# Tokens per paged KV block are whole multiples of this (blocks start at aligned positions).
+KV_BLOCK_MULTIPLE = 16
 LR_SCHEDULES = ("constant", "linear", "cosine")
 # how adaptive TP moves the KV caches of requests whose replicas merge
 KV_MODES = ("migrate", "recompute")
@@ -145,6 +147,9 @@ class GenerationConfig(Settings):
                                               "cuBLAS kernels), for a copy of o, down and the LM head")
     share_prompt_kv: bool = setting(True, "decode attention on GPUs reads a prompt's KV once for all its samples "
                                           "(fewer bytes by the prompt's share of the context)")
+    kv_block_size: int = setting(0, "tokens per KV cache block: the cache holds the blocks requests reach, not "
+                                    "max_seq_len per request (0 = one contiguous block per request)", ge=0,
+                                 multiple_of=KV_BLOCK_MULTIPLE)
     adaptive: AdaptiveConfig = section(AdaptiveConfig, "adaptive tensor parallelism")
 
 

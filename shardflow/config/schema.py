@@ -37,13 +37,13 @@ class SettingError(ValueError):
 
 def setting(default: Any, help: str, *, choices: Iterable[Any] | None = None, gt: float | None = None,
             ge: float | None = None, lt: float | None = None, le: float | None = None,
-            path: str | None = None) -> Any:
+            multiple_of: int | None = None, path: str | None = None) -> Any:
     """A field with its default, one line of help and the rules its value must follow. ``path``:
     the value names a file the run reads (``config.load`` resolves it against the config file):
     "file" (any non-empty value), "plan" (a value ending in .yaml or .yml) or "function" (the file
     part of 'file.py:function')."""
     metadata = {"help": help, "choices": tuple(choices) if choices is not None else None,
-                "gt": gt, "ge": ge, "lt": lt, "le": le, "path": path}
+                "gt": gt, "ge": ge, "lt": lt, "le": le, "multiple_of": multiple_of, "path": path}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -64,6 +64,9 @@ def _broken_rule(meta: Mapping[str, Any], value: Any) -> str | None:
         return f"must be one of {shown}; got {value!r}"
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
+    multiple = meta.get("multiple_of")
+    if multiple and value % multiple:
+        return f"must be a multiple of {multiple}, got {value!r}"
     gt, ge, lt, le = (meta.get(k) for k in ("gt", "ge", "lt", "le"))
     low_ok = (gt is None or value > gt) and (ge is None or value >= ge)
     high_ok = (lt is None or value < lt) and (le is None or value <= le)

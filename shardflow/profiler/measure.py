@@ -128,7 +128,7 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
     lengths = positions + 1
 
     def attend(_layer: int, q, k, v):
-        write_kv(k_cache, v_cache, slots, positions[:, None], k, v)
+        write_kv(k_cache, v_cache, slots[:, None], positions[:, None], k, v)
         return attention(q[:, :, 0], k_cache, v_cache, slots, lengths, None)[:, :, None]
 
     return layer(x, cos, sin, attend)

@@ -93,6 +93,9 @@ class AdaptiveGenerator:
         cfg, start, rank = model.cfg, model.shard.layout, world.rank
         if start.pp != 1:
             raise ValueError(f"generation with pipeline parallelism is not supported (layout {start}); use pp=1")
+        if engine_config.kv_block_size is not None:
+            raise ValueError("adaptive tensor parallelism regroups a contiguous KV cache in place; run it with "
+                             f"kv_block_size=None, not {engine_config.kv_block_size}")
         self.world, self.cfg, self.config = world, cfg, config
         self.device = next(model.parameters()).device
         self.refused: list[Refusal] = []

@@ -1,11 +1,13 @@
-"""Attention of one new token per request over its slot of the KV cache.
+"""Attention of one new token per request over its positions in the KV cache.
 
-Two implementations with the same contract:
+A row's positions lie in blocks of the cache (``kv_cache``): ``blocks`` [B, n] names each row's
+blocks in order (its row of the block table), or ``blocks`` [B] its one block (a contiguous cache,
+where a block is a slot). Two implementations with the same contract:
 
-- ``decode_attention_torch``: plain torch (gathers each row's slot and masks past its length);
+- ``decode_attention_torch``: plain torch (gathers each row's blocks and masks past its length);
   runs anywhere, and is the reference.
 - ``decode_attention_triton``: a split-K Triton kernel for the GPU. Each program takes one
-  (request, KV head, split) and reads only that request's valid positions, through its slot index,
+  (request, KV head, split) and reads only that request's valid positions, through its blocks,
   for all the query heads sharing the KV head (GQA); a second small kernel merges the splits with
   their log-sum-exp (with one split, the first kernel writes the output itself). The split count
   depends only on the batch size, so a CUDA graph captured for
@@ -15,7 +17,8 @@ Two implementations with the same contract:
   all their query heads over the prompt from one row's copy, and the split kernel continues from
   it over each row's own positions. Tested on CPU with ``TRITON_INTERPRET=1``.
 
-Shapes: B requests, H local query heads, K local KV heads, S cache slots, M max length, d head dim.
+Shapes: B requests, H local query heads, K local KV heads, S cache blocks of N positions, n blocks
+per row, d head dim.
 """
 
 from __future__ import annotations
@@ -42,16 +45,20 @@ PROGRAMS_PER_SM = 3
 MAX_SPLITS = 32
 
 
-def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                            lengths: torch.Tensor, window: int | None,
                            prompts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """q [B,H,d]; caches [S,K,M,d]; slots, lengths [B] -> [B,H,d].
+    """q [B,H,d]; caches [S,K,N,d]; blocks [B, n] (or [B]), lengths [B] -> [B,H,d].
 
-    Row b attends to positions [max(0, lengths[b] - window), lengths[b]) of slot ``slots[b]``.
+    Row b attends to positions [max(0, lengths[b] - window), lengths[b]) of its blocks.
     ``prompts`` (see ``decode_attention_triton``) changes which copy of a shared prompt is read,
     not the result; this path reads every row's own.
     """
-    k, v = k_cache[slots], v_cache[slots]  # [B,K,M,d]
+    blocks = blocks[:, None] if blocks.dim() == 1 else blocks
+    B, n = blocks.shape
+    _, K, N, d = k_cache.shape
+    # [B,n,K,N,d] -> [B,K,n*N,d] (a view for one block per row)
+    k, v = (c[blocks].transpose(1, 2).reshape(B, K, n * N, d) for c in (k_cache, v_cache))
     pos = torch.arange(k.shape[2], device=q.device)
     valid = pos[None, :] < lengths[:, None]  # [B,M]
     if window is not None:
@@ -74,20 +81,34 @@ def num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, pr
 if triton is not None:
 
     @triton.jit
-    def attend_positions(q, k_base, v_base, stride_kt, stride_vt, lo, hi, m_i, l_i, acc, scale_log2,
+    def attend_positions(q, k_head, v_head, block_row, stride_ks, stride_kt, stride_vs, stride_vt, block_size,
+                         lo, hi, m_i, l_i, acc, scale_log2,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAGED: tl.constexpr):
         """Online softmax of the query rows ``q`` [rows, BLOCK_D] over positions [lo, hi) of one
-        slot's KV head: the running max ``m_i``, sum ``l_i`` and unnormalised output ``acc``,
-        updated BLOCK positions at a time."""
+        KV head of a row whose blocks ``block_row`` names (``k_head``, ``v_head``: the head in
+        block 0): the running max ``m_i``, sum ``l_i`` and unnormalised output ``acc``, updated
+        BLOCK positions at a time. Not PAGED: the row is one block, whose base is computed once."""
         offs_n = tl.arange(0, BLOCK)
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
+        if not PAGED:
+            only = tl.load(block_row).to(tl.int64)
+            k_head = k_head + only * stride_ks
+            v_head = v_head + only * stride_vs
         for n0 in range(lo, hi, BLOCK):
             pos = n0 + offs_n
             mask_n = pos < hi
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(k_base + pos[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+            if PAGED:  # a tile may straddle two blocks: each position's block from the row
+                blk = tl.load(block_row + pos // block_size, mask=mask_n, other=0).to(tl.int64)
+                at = pos % block_size
+                k_rows = k_head + blk[:, None] * stride_ks + at[:, None] * stride_kt
+                v_rows = v_head + blk[:, None] * stride_vs + at[:, None] * stride_vt
+            else:
+                k_rows = k_head + pos[:, None] * stride_kt
+                v_rows = v_head + pos[:, None] * stride_vt
+            k = tl.load(k_rows + offs_d[None, :], mask=kv_mask, other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [rows, BLOCK]
@@ -96,7 +117,7 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + pos[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_rows + offs_d[None, :], mask=kv_mask, other=0.0)
             if UPCAST:
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -104,14 +125,15 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
-    def _prompt_kernel(Q, K, V, Slots, Groups, Prompt, Acc, Max, Sum, batch,
+    def _prompt_kernel(Q, K, V, Blocks, Groups, Prompt, Acc, Max, Sum, batch,
                        stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
-                       stride_sb, stride_sh, stride_mb, scale_log2,
+                       stride_bb, block_size, stride_sb, stride_sh, stride_mb, scale_log2,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_Q: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                       BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                       PAGED: tl.constexpr):
         """Program (window of ROWS rows, KV head): for each row b of the window that leads a run of
         rows of one group (see ``decode_attention_triton``), the online-softmax state of the run's
-        rows x GROUP query heads over the group's shared prompt positions, read once from b's slot.
+        rows x GROUP query heads over the group's shared prompt positions, read once from b's blocks.
         A program per window rather than per row: most rows lead nothing, and empty programs are
         not free (one per row costs microseconds per call)."""
         w = tl.program_id(0)
@@ -133,31 +155,29 @@ if triton is not None:
                             mask=in_run[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_Q, BLOCK_D]
                 if UPCAST:
                     q = q.to(tl.float32)
-                slot = tl.load(Slots + b).to(tl.int64)
-                k_base = K + slot * stride_ks + kvh * stride_kh
-                v_base = V + slot * stride_vs + kvh * stride_vh
                 m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
                 l_i = tl.zeros([BLOCK_Q], tl.float32)
                 acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-                m_i, l_i, acc = attend_positions(q, k_base, v_base, stride_kt, stride_vt, 0, prompt, m_i, l_i, acc,
-                                                 scale_log2, HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST)
+                m_i, l_i, acc = attend_positions(q, K + kvh * stride_kh, V + kvh * stride_vh,
+                                                 Blocks + b.to(tl.int64) * stride_bb, stride_ks, stride_kt, stride_vs,
+                                                 stride_vt, block_size, 0, prompt, m_i, l_i, acc, scale_log2,
+                                                 HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST, PAGED)
                 tl.store(Acc + rows[:, None] * stride_sb + heads[:, None] * stride_sh + offs_d[None, :], acc,
                          mask=in_run[:, None] & mask_d[None, :])
                 tl.store(Max + rows * stride_mb + heads, m_i, mask=in_run)
                 tl.store(Sum + rows * stride_mb + heads, l_i, mask=in_run)
 
     @triton.jit
-    def _split_kernel(Q, K, V, Slots, Lengths, Acc, Max, Sum, Out, Prompt, PromptAcc, PromptMax, PromptSum,
+    def _split_kernel(Q, K, V, Blocks, Lengths, Acc, Max, Sum, Out, Prompt, PromptAcc, PromptMax, PromptSum,
                       stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
-                      stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
-                      stride_sb, stride_sh, stride_pmb, scale_log2, window,
+                      stride_bb, block_size, stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob,
+                      stride_oh, stride_sb, stride_sh, stride_pmb, scale_log2, window,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, SHARED: tl.constexpr):
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, SHARED: tl.constexpr, PAGED: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        slot = tl.load(Slots + b).to(tl.int64)
         length = tl.load(Lengths + b).to(tl.int32)
         start = length * 0
         if window > 0:
@@ -178,9 +198,6 @@ if triton is not None:
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
         if UPCAST:
             q = q.to(tl.float32)
-        k_base = K + slot * stride_ks + kvh * stride_kh
-        v_base = V + slot * stride_vs + kvh * stride_vh
-
         if SHARED:  # the first split starts from the prompt's state (empty for rows without one)
             has = mask_h & (offs_h * 0 + tl.where((prompt > 0) & (split == 0), 1, 0) > 0)
             m_i = tl.load(PromptMax + b * stride_pmb + heads, mask=has, other=float("-inf"))
@@ -191,8 +208,10 @@ if triton is not None:
             m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_H], tl.float32)
             acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        m_i, l_i, acc = attend_positions(q, k_base, v_base, stride_kt, stride_vt, lo, hi, m_i, l_i, acc, scale_log2,
-                                         HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST)
+        block_row = Blocks + b.to(tl.int64) * stride_bb
+        m_i, l_i, acc = attend_positions(q, K + kvh * stride_kh, V + kvh * stride_vh, block_row, stride_ks, stride_kt,
+                                         stride_vs, stride_vt, block_size, lo, hi, m_i, l_i, acc, scale_log2, HEAD_DIM,
+                                         BLOCK_D, BLOCK, PRECISION, UPCAST, PAGED)
 
         if SPLITS == 1:  # nothing to merge: the output itself
             o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -224,7 +243,7 @@ if triton is not None:
         tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
 
 
-def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                             lengths: torch.Tensor, window: int | None,
                             prompts: tuple[torch.Tensor, torch.Tensor] | None = None, *, block: int = BLOCK_N,
                             programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
@@ -232,8 +251,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """Same contract as ``decode_attention_torch``; GPU (or ``TRITON_INTERPRET=1`` on CPU).
 
     ``prompts`` = (groups, prompt) [B] int: rows whose ``prompt`` > 0 begin with that many
-    positions that every row of their group holds identically in its own slot (the samples of one
-    prompt after a shared prefill). A group's rows must be adjacent, at most ``PROMPT_ROWS`` of
+    positions that every row of their group holds identically (the samples of one prompt after a
+    shared prefill: in the same blocks or in copies). A group's rows must be adjacent, at most ``PROMPT_ROWS`` of
     them, with the same ``prompt``; the first of them then reads those positions once for all (the
     other rows read only their own), which the result does not depend on. Ignored with a
     ``window``. The keyword options are the kernel's tuning knobs (benchmarks sweep them);
@@ -242,10 +261,11 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise RuntimeError("the Triton decode attention needs the triton package")
     q = q.contiguous()  # a no-op for the model's q; a compiled graph may lay it out otherwise
     B, H, d = q.shape
-    _, K, M, _ = k_cache.shape
-    assert H % K == 0 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    group = H // K
-    splits = splits or num_splits(B, K, M, q.device, programs_per_sm, block)
+    _, K, N, _ = k_cache.shape
+    blocks = blocks[:, None] if blocks.dim() == 1 else blocks
+    assert H % K == 0 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and blocks.stride(1) == 1
+    group, paged = H // K, blocks.shape[1] > 1
+    splits = splits or num_splits(B, K, N * blocks.shape[1], q.device, programs_per_sm, block)
     out = torch.empty(B, H, d, dtype=q.dtype, device=q.device)
     parts = splits if splits > 1 else 0  # one split writes ``out`` directly: no partial results
     acc = torch.empty(B, H, parts, d, dtype=torch.float32, device=q.device)
@@ -257,7 +277,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     upcast = q.device.type != "cuda"
     strides_qkv = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), blocks.stride(0), N)
     scale_log2 = (1.0 / math.sqrt(d)) * math.log2(math.e)
     shared = prompts is not None and not window
     groups, prompt = prompts if shared else (lengths, lengths)  # unread without SHARED
@@ -266,20 +286,20 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     prompt_sum = torch.empty_like(prompt_max) if shared else row_sum
     if shared:
         _prompt_kernel[(triton.cdiv(B, PROMPT_ROWS), K)](
-            q, k_cache, v_cache, slots, groups, prompt, prompt_acc, prompt_max, prompt_sum, B, *strides_qkv,
+            q, k_cache, v_cache, blocks, groups, prompt, prompt_acc, prompt_max, prompt_sum, B, *strides_qkv,
             prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0), scale_log2,
             GROUP=group, HEAD_DIM=d, ROWS=PROMPT_ROWS, BLOCK_Q=max(16, triton.next_power_of_2(PROMPT_ROWS * group)),
-            BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, num_warps=num_warps,
+            BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, PAGED=paged, num_warps=num_warps,
             num_stages=num_stages,
         )
     _split_kernel[(B, K, splits)](
-        q, k_cache, v_cache, slots, lengths, acc, row_max, row_sum, out, prompt, prompt_acc, prompt_max, prompt_sum,
+        q, k_cache, v_cache, blocks, lengths, acc, row_max, row_sum, out, prompt, prompt_acc, prompt_max, prompt_sum,
         *strides_qkv, acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0), row_max.stride(1),
         out.stride(0), out.stride(1), prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0),
         scale_log2, window or 0,
         GROUP=group, HEAD_DIM=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, SHARED=shared, num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, SHARED=shared, PAGED=paged,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if splits == 1:
         return out
@@ -293,21 +313,21 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 # A registered operator, so that torch.compile treats the kernels as one opaque call.
 @torch.library.custom_op("shardflow::decode_attention", mutates_args=())
-def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                         lengths: torch.Tensor, window: int, groups: torch.Tensor | None,
                         prompt: torch.Tensor | None) -> torch.Tensor:
     prompts = None if groups is None else (groups, prompt)
-    return decode_attention_triton(q, k_cache, v_cache, slots, lengths, window or None, prompts)
+    return decode_attention_triton(q, k_cache, v_cache, blocks, lengths, window or None, prompts)
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, slots, lengths, window, groups, prompt):
+def _(q, k_cache, v_cache, blocks, lengths, window, groups, prompt):
     return q.new_empty(q.shape)  # contiguous, like the real output
 
 
-def _triton_via_op(q, k_cache, v_cache, slots, lengths, window, prompts=None):
+def _triton_via_op(q, k_cache, v_cache, blocks, lengths, window, prompts=None):
     groups, prompt = prompts if prompts is not None else (None, None)
-    return decode_attention_op(q, k_cache, v_cache, slots, lengths, window or 0, groups, prompt)
+    return decode_attention_op(q, k_cache, v_cache, blocks, lengths, window or 0, groups, prompt)
 
 
 # name -> attention function (the ``attention`` engine option)

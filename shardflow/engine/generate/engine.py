@@ -6,7 +6,8 @@ tokens, which ``sampling.sample`` makes identical across tp). ``submit`` queues 
 ``step`` does:
 
 1. admit waiting requests into free KV slots, first come first served; the samples of one prompt
-   are admitted together (at most ``num_slots`` at a time) and share one prefill;
+   are admitted together (at most ``num_slots`` at a time) and share one prefill (and, in a paged
+   cache, the prompt's whole blocks);
 2. prefill the admitted prompts in chunks of at most ``max_prefill_tokens`` padded tokens, writing
    each prompt's KV into the slots of all its samples, and sample every request's first token;
 3. launch one decode step over every active request (graph-captured on GPU), then read back the
@@ -15,6 +16,13 @@ tokens, which ``sampling.sample`` makes identical across tp). ``submit`` queues 
    (the step writes its own next inputs, see ``cuda_graphs``);
 4. retire the requests that those tokens finished, freeing their slots, so the active batch
    shrinks.
+
+In a paged cache (``kv_block_size``) a request holds blocks for the positions it has reached, plus
+the one its next step writes; before each launch the active rows get the blocks they are about to
+need. When too few are free, requests are preempted, the latest admitted first (after parked
+episodes, which are idle): their KV is dropped and they wait at the head of the queue, to be
+prefilled again from ``prompt + output`` and go on with the same tokens (sampling is seeded by
+position).
 
 Reading tokens one step late costs one wasted row for a request that stops on an EOS or stop
 token (it was already in the next step; that row's token is dropped). Length limits are known in
@@ -48,7 +56,7 @@ from shardflow.engine.compile_fallback import compiled_or_eager
 from shardflow.engine.generate.cuda_graphs import DecodeRunner
 from shardflow.engine.generate.decode_attention import ATTENTION
 from shardflow.engine.generate.decode_weights import decode_weights_layout, drop_decode_weights, make_decode_weights
-from shardflow.engine.generate.kv_cache import KVCache, bytes_per_slot
+from shardflow.engine.generate.kv_cache import KVCache, bytes_per_slot, check_block_size
 from shardflow.engine.generate.requests import Request
 from shardflow.engine.generate.sampling import SamplingTensors, batch_mode, sample
 from shardflow.engine.generate.steps import decode_logits, extend_cache, prefill_logits
@@ -82,6 +90,10 @@ class EngineConfig:
     # fewer KV bytes by the prompt's share of each context (Triton attention only; see
     # ``decode_attention``).
     share_prompt_kv: bool = True
+    # Tokens per KV cache block: the cache holds blocks as requests reach them instead of max_seq_len
+    # per request (long-tailed lengths fit more requests in the same memory); None: one contiguous
+    # block of max_seq_len per slot.
+    kv_block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ("auto", *ATTENTION):
@@ -96,6 +108,7 @@ class EngineConfig:
             raise ValueError(f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        check_block_size(self.kv_block_size)
         if self.blas_library not in (None, *BLAS_LIBRARIES):
             raise ValueError(f"blas_library must be one of {', '.join(BLAS_LIBRARIES)} or None; "
                              f"got {self.blas_library!r}")
@@ -116,6 +129,7 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     prefill_tokens: int = 0  # real (unpadded) tokens prefilled
     generated_tokens: int = 0
+    preemptions: int = 0  # requests whose KV was dropped for want of cache blocks (recomputed later)
 
 
 class GenerationEngine:
@@ -174,7 +188,8 @@ class GenerationEngine:
             make_decode_weights(self.model, config.transposed_weights)
         budget = kv_cache_bytes or config.kv_cache_bytes or self._default_budget(max_len)
         self.cache = KVCache.for_model(cfg, shard, budget_bytes=budget, max_len=max_len,
-                                       max_slots=config.max_batch_size, dtype=self.dtype, device=self.device)
+                                       max_slots=config.max_batch_size, dtype=self.dtype, device=self.device,
+                                       block_size=config.kv_block_size)
         self._make_decode()
 
     def use_cache(self, cache: KVCache) -> None:
@@ -310,6 +325,21 @@ class GenerationEngine:
         return (not self.active and not self._launched and bool(self.waiting)
                 and _slots_needed(self.waiting[0]) > self.cache.num_free)
 
+    def _admissible(self, unit: list[Request]) -> bool:
+        return _slots_needed(unit) <= self.cache.num_free and self._blocks_needed(unit) <= self.cache.num_free_blocks
+
+    def _blocks_needed(self, unit: list[Request]) -> int:
+        """Blocks a unit takes to be prefilled and decode its next step (0 in a contiguous cache):
+        a fresh unit's samples share its prompt's whole blocks."""
+        cache, first = self.cache, unit[0]
+        if not cache.paged:
+            return 0
+        if first.slot is not None:  # a resumed episode: its new tokens onto the blocks it holds
+            return cache.blocks_missing(first.slot, first.num_tokens + 1)
+        prompt = len(_prefill_ids(first))
+        shared = prompt // cache.block_size if len(unit) > 1 else 0
+        return shared + len(unit) * (cache.blocks_for(min(prompt + 2, cache.max_len)) - shared)
+
     @torch.no_grad()
     def step(self, on_finish: Callable[[Request], None] | None = None) -> None:
         """One iteration: admit and prefill what fits, then one decode step over the active batch."""
@@ -327,14 +357,17 @@ class GenerationEngine:
     @torch.no_grad()
     def prefill_waiting(self, on_finish: Callable[[Request], None] | None = None) -> None:
         """Admit waiting requests into free slots and prefill them (the first half of ``step``)."""
-        if self.waiting and _slots_needed(self.waiting[0]) <= self.cache.num_free:
+        if self.waiting and not (self.active or self._launched):
+            self._fit_head()
+        if self.waiting and self._admissible(self.waiting[0]):
             self.flush(on_finish)  # the next decode step takes the admitted rows from the host
         admitted = []
-        while self.waiting and _slots_needed(self.waiting[0]) <= self.cache.num_free:
+        while self.waiting and self._admissible(self.waiting[0]):
             unit = self.waiting.popleft()
             fresh = [r for r in unit if r.slot is None]  # a resumed episode keeps its slot
             for r, slot in zip(fresh, self.cache.allocate(len(fresh))):
                 r.slot = slot
+            self._give_blocks(unit)
             admitted.append(unit)
         # nothing admitted and nothing decoding: the head waits for slots no one will free (only a
         # parked episode's close or resume can: the caller checks ``stalled`` first)
@@ -385,6 +418,60 @@ class GenerationEngine:
         for r in requests:  # their prompt groups were numbered by other engines, maybe other processes
             r.prompt_group, r.shared_prompt = -1, 0
         self.active += list(requests)
+
+    # ----- blocks of a paged cache ---------------------------------------------------------------
+
+    def _fit_head(self) -> None:
+        """Nothing decodes, so nothing frees blocks: make the head of the queue fit a paged cache by
+        dropping parked episodes' KV, then by splitting the head unit (a prompt's samples) to the
+        samples that fit; one sample always fits (the cache holds one max_seq_len sequence)."""
+        if not self.cache.paged:
+            return
+        unit = self.waiting[0]
+        while self._blocks_needed(unit) > self.cache.num_free_blocks and self._preempt_one(active=False):
+            pass
+        keep = len(unit)
+        while keep > 1 and self._blocks_needed(unit[:keep]) > self.cache.num_free_blocks:
+            keep -= 1
+        if keep < len(unit):
+            self.waiting[0] = unit[:keep]
+            self.waiting.insert(1, unit[keep:])
+
+    def _give_blocks(self, unit: list[Request]) -> None:
+        """An admitted unit's blocks for its prefill: the first sample's, whose whole blocks the
+        other samples share, then each one's own rest."""
+        cache, first = self.cache, unit[0]
+        if not cache.paged:
+            return
+        if first.cached_len:  # a resumed episode
+            assert cache.ensure([first.slot], [first.num_tokens - 1])
+            return
+        prompt = len(_prefill_ids(first))
+        assert cache.ensure([first.slot], [prompt])
+        cache.share(first.slot, [r.slot for r in unit[1:]], prompt)
+        assert cache.ensure([r.slot for r in unit[1:]], [prompt] * (len(unit) - 1))
+
+    def _grow(self, rows: list[Request]) -> bool:
+        """Blocks for the position each row's next step writes (and, with a step in flight, the one
+        after): False if too few are free."""
+        return self.cache.ensure([r.slot for r in rows], [r.cached_len + 2 for r in rows])
+
+    def _preempt_one(self, *, active: bool = True) -> bool:
+        """Drop the KV of the oldest parked episode or else (with ``active``) of the latest admitted
+        active request, which goes back to the head of the queue; False if there is none. No step
+        may be in flight."""
+        assert self._launched is None
+        if self.parked:
+            r = self.parked.pop(next(iter(self.parked)))  # its next turn, when submitted, recomputes its history
+        elif active and self.active:
+            r = self.active.pop()
+            self.waiting.appendleft([r])
+        else:
+            return False
+        self.cache.release(r.slot)
+        r.drop_kv()
+        self.stats.preemptions += 1
+        return True
 
     def warm_graphs(self, batch: int, modes: Sequence[str], *, shared: bool = False) -> int:
         """Capture the decode graphs of every batch bucket up to ``batch``'s for the sampling
@@ -505,9 +592,7 @@ class GenerationEngine:
         prev = self._launched
         if prev is None:  # every row's state is on the host
             rows = list(self.active)
-            ints, floats = _step_inputs(rows)
-            ints[0] = torch.tensor([r.output_ids[-1] for r in rows])
-            self.decode.load(ints, floats)
+            self._load(rows)
         else:  # the rows of the step in flight that go on after it; its tokens are on the device
             assert len(self.active) <= len(prev.rows), "rows joined without a flush"
             keep = [i for i, r in enumerate(prev.rows)
@@ -515,10 +600,23 @@ class GenerationEngine:
             rows = [prev.rows[i] for i in keep]
             if len(rows) < len(prev.rows):
                 self.decode.keep(keep)
+        if rows and not self._grow(rows):  # too few blocks: read the step in flight, then preempt
+            self.flush(on_finish)
+            while self.active and not self._grow(self.active):
+                self._preempt_one()
+            prev, rows = None, list(self.active)
+            if rows:
+                self._load(rows)
         self._launched = self._launch(rows) if rows else None
         if prev is not None:
             self._read(prev)
             self._retire(on_finish)
+
+    def _load(self, rows: list[Request]) -> None:
+        """The rows' inputs from the host: each one's last token at its position."""
+        ints, floats = _step_inputs(rows)
+        ints[0] = torch.tensor([r.output_ids[-1] for r in rows])
+        self.decode.load(ints, floats)
 
     def _launch(self, rows: list[Request]) -> _Launched:
         start = time.perf_counter()

@@ -7,7 +7,8 @@
   observation after its turn): their keys and values go into the slots after the history, and
   they attend over history and themselves.
 - ``decode_logits``: one new token per request; its key and value go into the slot at its
-  position, then it attends over the slot's valid positions.
+  position, then it attends over the slot's valid positions (through its blocks when the cache
+  is paged).
 
 Both return this rank's vocabulary slice of the logits; the model's own tp collectives (two
 all-reduces per layer and one for the embedding) are the only communication.
@@ -20,10 +21,10 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from shardflow.engine.generate.kv_cache import KVCache
+from shardflow.engine.generate.kv_cache import KVCache, write_kv
 from shardflow.models.transformer import Transformer, causal_attention
 
-# attention(q [B,H,d], k_cache, v_cache, slots [B], lengths [B], window, prompts) -> [B,H,d]
+# attention(q [B,H,d], k_cache, v_cache, blocks [B] or [B,n], lengths [B], window, prompts) -> [B,H,d]
 DecodeAttention = Callable[..., torch.Tensor]
 
 
@@ -65,10 +66,8 @@ def extend_cache(model: Transformer, cache: KVCache, ids: torch.Tensor, starts: 
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # k/v [G,K,T,d] -> slot rows; then q [G,H,T,d] over the slot's positions [0, start + length)
-        k_cache, v_cache = cache.k[layer], cache.v[layer]
-        k_cache[rows, :, at] = k.transpose(1, 2)
-        v_cache[rows, :, at] = v.transpose(1, 2)
-        keys, values = k_cache[slots, :, :span], v_cache[slots, :, :span]  # [G,K,span,d]
+        write_kv(cache.k[layer], cache.v[layer], *cache.locate(rows, at), k, v)
+        keys, values = cache.gather(layer, slots, span)  # [G,K,span,d]
         seen = (p[None, None, :] <= positions[:, :, None]) & (p[None, None, :] < ends)
         if windows[layer] is not None:
             seen &= p[None, None, :] > positions[:, :, None] - windows[layer]
@@ -89,11 +88,12 @@ def decode_logits(model: Transformer, cache: KVCache, attention: DecodeAttention
     """
     lengths = positions + 1  # valid positions once this token's K/V are written
     windows = model.cfg.sliding_windows
+    blocks = cache.table[slots] if cache.paged else slots  # [B, n]: the rows of the block table
 
     def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [B,H,1,d], k/v [B,K,1,d]
         cache.write(layer, slots, positions[:, None], k, v)
-        out = attention(q[:, :, 0], cache.k[layer], cache.v[layer], slots, lengths, windows[layer], prompts)
+        out = attention(q[:, :, 0], cache.k[layer], cache.v[layer], blocks, lengths, windows[layer], prompts)
         return out[:, :, None]
 
     hidden = model(tokens[:, None], positions[:, None], attend)  # [B,1,H]

@@ -49,6 +49,7 @@ def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int, de
         blas_library=(gen.blas_library or None) if device.type == "cuda" else None,
         transposed_weights=gen.transposed_weights and device.type == "cuda",
         share_prompt_kv=gen.share_prompt_kv,
+        kv_block_size=gen.kv_block_size or None,
     )
 
 
