@@ -232,9 +232,14 @@ def bench_attention(cfg: ModelConfig, device: torch.device, cases: list[tuple[in
 
 def bench_engine(engine: GenerationEngine, cfg: ModelConfig, batch: int, context: int, steps: int, bandwidth: float,
                  item: int) -> dict:
+    """The engine's cache sized for ``batch`` requests of ``context + steps`` positions (whole
+    blocks of a paged cache, plus its scratch block)."""
     max_seq_len = context + steps + 1
-    engine.reset_cache(max_seq_len=max_seq_len, kv_cache_bytes=(batch + 1) * bytes_per_slot(
-        engine.model.shard, cfg, max_seq_len - 1, engine.dtype))
+    per_slot = bytes_per_slot(engine.model.shard, cfg, max_seq_len - 1, engine.dtype)
+    block = engine.config.kv_block_size
+    if block:
+        per_slot = per_slot // (max_seq_len - 1) * block * -(-(max_seq_len - 1) // block)
+    engine.reset_cache(max_seq_len=max_seq_len, kv_cache_bytes=(batch + 1) * per_slot)
     g = torch.Generator().manual_seed(batch * 7 + context)
     prompts = [torch.randint(3, cfg.vocab_size, (context,), generator=g).tolist() for _ in range(batch)]
     requests = make_requests(prompts, SamplingParams(max_new_tokens=steps + 1, temperature=0.0, ignore_eos=True))

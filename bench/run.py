@@ -64,9 +64,11 @@ SUITES: dict[str, tuple[Step, ...]] = {
         Step("shared_prompts", 160, "shared_prompts.py", (), ("shared_prompts.json",)),
         Step("token_stats", 60, "token_stats.py", (), ("token_stats.json",)),
     ),
-    # memory scale: the offloaded optimizer step against the host link, then the GRPO iteration
-    # (actor + reference) of a Qwen3-8B shape on one device with the optimizer state on the host
+    # memory scale: the paged KV cache against the contiguous one, the offloaded optimizer step
+    # against the host link, then the GRPO iteration (actor + reference) of a Qwen3-8B shape on one
+    # device with the optimizer state on the host
     "memory": (
+        Step("paged_kv", 150, "paged_kv.py", (), ("paged_kv.json",)),
         Step("optimizer_offload", 90, "optimizer_offload.py", (), ("optimizer_offload.json",)),
         Step("iteration_8b", 460, "iteration.py",
              ("--shape", "qwen3-8b", "--workload", "small", "--with-ref", "--skip-trl", "--skip-planner",

@@ -29,6 +29,7 @@ CASES = {  # script: (arguments, JSON it writes)
     "multiturn.py": (["--tiny", "--repeat", "1", "--workers", "2"], "multiturn.json"),
     "reward_pool.py": (["--responses", "16", "--workers", "1,2"], "reward_pool.json"),
     "optimizer_offload.py": (["--tiny"], "optimizer_offload.json"),
+    "paged_kv.py": (["--tiny"], "paged_kv.json"),
 }
 
 
