@@ -259,6 +259,16 @@ def test_plans_that_do_not_fit_are_rejected():
     b = estimate(p, roomy)
     assert a.kv_slots["actor_gen"] == 32 and b.kv_slots["actor_gen"] == 8
     assert b.call_s["actor_gen"] > 1.5 * a.call_s["actor_gen"]
+    # paged, the same budget holds sequences of the mean length in whole blocks, not of the longest
+    p.kv_block_size = 64
+    tokens = p.kv_tokens_per_sequence
+    assert tokens % 64 == 0 and p.workload.mean_tokens <= tokens < min(p.workload.mean_tokens + 64, 768)
+    c = estimate(p, roomy)
+    assert c.kv_slots["actor_gen"] == min(32, int(p.kv_cache_bytes // mem.kv_bytes_per_slot(
+        p.models["actor"], 1, tokens, p.precision))) > 8
+    assert c.call_s["actor_gen"] < b.call_s["actor_gen"]
+    p.kv_cache_bytes = 0.9 * mem.kv_bytes_per_slot(p.models["actor"], 1, 768, p.precision)  # not one whole sequence
+    assert not estimate(p, roomy).feasible
 
 
 def test_reallocation_time_by_brute_force():

@@ -85,17 +85,18 @@ def _place(problem: Problem, call: Call, choice: Choice, home: Layout, resident:
     if call.kind is Kind.GENERATE:
         extra += mem.prefill_activation_bytes(cfg, layout.tp, _prefill_tokens(problem, layout), p)
         extra += mem.decode_copy_bytes(cfg, layout.tp, p, problem.transposed_weights)
-        per_slot = mem.kv_bytes_per_slot(cfg, layout.tp, problem.workload.max_tokens, p)
+        per_slot = mem.kv_bytes_per_slot(cfg, layout.tp, problem.kv_tokens_per_sequence, p)
+        longest = mem.kv_bytes_per_slot(cfg, layout.tp, problem.workload.max_tokens, p)  # one must fit
         budget = usable - resident - extra
         if problem.kv_cache_bytes is not None:
             budget = min(budget, problem.kv_cache_bytes)
         wanted = problem.replica_sequences(call, layout)
-        slots = min(int(budget // per_slot), wanted) if budget > 0 else 0
+        slots = min(int(budget // per_slot), wanted) if budget >= longest else 0
         if 1 <= slots < wanted:  # round down to 1/32 steps: fewer distinct cases to cost
             step = max(1, wanted // 32)
             slots = max(1, slots // step * step)
         if slots < 1:
-            return (f" in {_where(layout)}: no room for a KV-cache slot ({per_slot / GB:.2f} GB) next to "
+            return (f" in {_where(layout)}: no room for a KV-cache slot ({longest / GB:.2f} GB) next to "
                     f"{(resident + extra) / GB:.1f} GB of {usable / GB:.1f} GB usable")
         extra += slots * per_slot
         seconds = costs.generate(cfg, layout, slots)

@@ -45,6 +45,7 @@ class Problem:
     offload_optimizer: dict[str, bool] = field(default_factory=dict)  # trained role -> optimizer state on the host
     offload: dict[str, bool] = field(default_factory=dict)  # frozen role -> weights in CPU memory
     kv_cache_bytes: float | None = None  # per rank; None = whatever memory is left
+    kv_block_size: int = 0  # tokens per block of a paged KV cache; 0 = a slot of max_tokens per sequence
     transposed_weights: bool = False  # generation decodes from transposed copies (GenerationConfig)
     iterations: int = 3  # simulated
 
@@ -88,6 +89,13 @@ class Problem:
         """Optimizer steps (train) or passes (inference) that split the call's sequences."""
         return self.workload.train_steps if call.kind is Kind.TRAIN else 1
 
+    @property
+    def kv_tokens_per_sequence(self) -> int:
+        """KV positions a sequence takes in the cache: a contiguous slot of the longest, or (paged)
+        the mean sequence in whole blocks."""
+        w, block = self.workload, self.kv_block_size
+        return w.max_tokens if not block else min(w.max_tokens, math.ceil(w.mean_tokens / block) * block)
+
     def replica_sequences(self, call: Call, layout: AnyLayout) -> int:
         """Sequences of the fullest DP replica per step."""
         return math.ceil(self.workload.sequences / (layout.dp * self.steps(call)))
@@ -128,6 +136,7 @@ def problem_from_config(config: ExperimentConfig, cluster: Cluster, *, profile: 
         offload_optimizer={r: config.models[r].offload_optimizer for r in models},
         offload={r: config.models[r].offload for r in models},
         kv_cache_bytes=kv * 2**30 if kv > 0 else None,
+        kv_block_size=config.generation.kv_block_size,
         transposed_weights=config.generation.transposed_weights,
         iterations=iterations,
     )
