@@ -139,6 +139,20 @@ def test_two_switches_d4t1_d2t2_d1t4_and_an_unreachable_one_refused(pool, checkp
     assert (step, target) == (4, middle) and "not reachable from d1p1t4@0-3 by merging" in reason
 
 
+def test_a_paged_cache_switches_by_recompute(pool, checkpoints):
+    """With a paged KV cache (blocks regrouped into views like slots) two switches recompute the
+    KV, ``auto`` picks recompute, and a forced migration is refused; the tokens are the static run's."""
+    final, middle = "d1p1t4@0-3", "d2p1t2@0,2,1,3"
+    runs = {"recompute,auto": {2: (middle, "recompute"), 5: (final, "auto")}, "migrate": {3: (final, "migrate")}}
+    result = run(pool, checkpoints, "llama", "d4p1t1@0,2,1,3", [middle, final], runs, params=MIXED,
+                 engine_kwargs=dict(kv_block_size=16))
+    assert [s[:3] for s in result["recompute,auto"]["switches"]] == [(2, middle, "recompute"),
+                                                                     (5, final, "recompute")]
+    [(step, target, reason)] = result["migrate"]["refusals"]
+    assert (step, target) == (3, final) and "a paged KV cache switches by recompute" in reason
+    assert result["migrate"]["switches"] == []
+
+
 def test_tp_beyond_kv_heads(pool, checkpoints):
     """tp=4 over 2 KV heads: two ranks share each head (and receive it from different holders)."""
     runs = {"migrate": {3: ("d1p1t4@0-3", "migrate")}, "recompute": {3: ("d1p1t4@0-3", "recompute")}}

@@ -123,3 +123,22 @@ def test_a_prompt_group_larger_than_the_cache_is_split(llama):
                       kv_cache_bytes=8 * block_bytes(model))
     assert engine.cache.num_blocks == 7 and engine.stats.prefill_tokens > len(prompts()[3])  # more than one prefill
     assert_same(got, want)
+
+
+def test_a_paged_cache_regroups_by_block():
+    """Half the heads per block: block b's heads [2j, 2j + 2) are block 2b + j of the view, in the
+    same memory; the view has as many slots as a contiguous regroup would, all free."""
+    cache = KVCache.zeros(layers=(0,), num_slots=3, num_kv_heads=4, max_len=40, head_dim=2, dtype=torch.float32,
+                          device="cpu", block_size=BLOCK, num_blocks=5)
+    cache.k[0].copy_(torch.arange(cache.k[0].numel(), dtype=torch.float32).view_as(cache.k[0]))
+    half = cache.regroup(2)
+    assert half.paged and half.num_blocks == 11 and half.num_slots == 7 and half.max_len == 40
+    for b in range(6):
+        for j in range(2):
+            assert torch.equal(half.k[0][b * 2 + j], cache.k[0][b, 2 * j: 2 * j + 2])
+    assert half.k[0].untyped_storage().data_ptr() == cache.k[0].untyped_storage().data_ptr()
+    assert half.num_free_blocks == 11 and half.table[half.scratch_slot].eq(half.scratch_block).all()
+    [slot] = cache.allocate(1)
+    assert cache.ensure([slot], [40])
+    cache.release_all()  # forgets the requests, keeps the data
+    assert cache.num_free == 3 and cache.num_free_blocks == 5 and cache.table.eq(cache.scratch_block).all()

@@ -43,6 +43,7 @@ from shardflow.config.experiment import AdaptiveConfig
 from shardflow.engine.adaptive.kv_migration import (
     KV_MODES,
     MIGRATE,
+    RECOMPUTE,
     clean_slots,
     fit_problem,
     gather_requests,
@@ -59,7 +60,7 @@ from shardflow.engine.adaptive.trace import GenerationTrace, Refusal, SwitchReco
 from shardflow.engine.generate.decode_weights import make_decode_weights, refresh_decode_weights
 from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
 from shardflow.engine.generate.episodes import Answers, Episodes, Turns, apply_answers
-from shardflow.engine.generate.kv_cache import bytes_per_slot
+from shardflow.engine.generate.kv_cache import bytes_per_position
 from shardflow.engine.generate.replicas import fill_results, replica_share, result_states
 from shardflow.engine.generate.requests import Request
 from shardflow.engine.generate.sampling import batch_mode
@@ -93,9 +94,11 @@ class AdaptiveGenerator:
         cfg, start, rank = model.cfg, model.shard.layout, world.rank
         if start.pp != 1:
             raise ValueError(f"generation with pipeline parallelism is not supported (layout {start}); use pp=1")
-        if engine_config.kv_block_size is not None:
-            raise ValueError("adaptive tensor parallelism regroups a contiguous KV cache in place; run it with "
-                             f"kv_block_size=None, not {engine_config.kv_block_size}")
+        if engine_config.kv_block_size is not None and config.kv_mode == MIGRATE:
+            raise ValueError("KV migration moves contiguous slots: with a paged KV cache (kv_block_size="
+                             f"{engine_config.kv_block_size}) adaptive TP switches by recompute; set kv_mode to "
+                             "recompute or auto")
+        self.paged = engine_config.kv_block_size is not None
         self.world, self.cfg, self.config = world, cfg, config
         self.device = next(model.parameters()).device
         self.refused: list[Refusal] = []
@@ -297,11 +300,12 @@ class AdaptiveGenerator:
             return None, ""
         if mode == "auto":
             context = (loads.counts * loads.context).sum(1) / np.maximum(loads.counts.sum(1), 1)  # mean per replica
-            fitting = tuple(m for m in KV_MODES if fit_problem(self.cfg, merge, active, slots, m) is None)
+            fitting = tuple(m for m in KV_MODES if fit_problem(self.cfg, merge, active, slots, m, paged=self.paged)
+                            is None)
             cost = self.costs.estimate(merge, np.array(active, float), context, modes=fitting,
                                        weight_bytes=self.weight_bytes.get(target, 0))
             mode = cost.kv_mode if cost is not None else MIGRATE
-        problem = fit_problem(self.cfg, merge, active, slots, mode)
+        problem = fit_problem(self.cfg, merge, active, slots, mode, paged=self.paged)
         if problem is not None:
             self._refuse(trace.refusals, step, target, f"the switch would not fit in memory: {problem}")
             return None, ""
@@ -319,7 +323,8 @@ class AdaptiveGenerator:
                                              prior_weight=self.config.prior_weight)
         self.predictor.max_len = max_new
         return Decider(cfg=self.cfg, chain=self.chain, steps=self.steps, costs=self.costs, predictor=self.predictor,
-                       config=self.config, kv_mode=self.config.kv_mode, weight_bytes=self.weight_bytes)
+                       config=self.config, kv_mode=RECOMPUTE if self.paged else self.config.kv_mode,
+                       weight_bytes=self.weight_bytes)
 
     def restore_predictor(self, state: dict) -> None:
         """Length history of an earlier run (``predictor.state_dict()``), e.g. on resume."""
@@ -481,15 +486,16 @@ class AdaptiveGenerator:
             self.engines[layout].use_cache(first.cache.regroup(self._heads(layout)))
 
     def _equal_slots(self) -> None:
-        """Give every rank as many KV slots as the rank with the fewest: admission decisions, taken
-        by each rank alone, must agree within a replica and in the fit checks."""
+        """Give every rank as many KV blocks (slots of a contiguous cache) as the rank with the
+        fewest: admission and preemption decisions, taken by each rank alone, must agree within a
+        replica and in the fit checks."""
         first = self.engines[self.chain[0]]
-        slots = torch.tensor([first.cache.num_slots], device=first.device)
+        blocks = torch.tensor([first.cache.num_blocks], device=first.device)
         if self.group is not None:
-            dist.all_reduce(slots, op=dist.ReduceOp.MIN, group=self.group)
-        if int(slots) < first.cache.num_slots:
-            per_slot = bytes_per_slot(first.model.shard, self.cfg, first.max_seq_len - 1, first.dtype)
-            first.reset_cache(max_seq_len=first.max_seq_len, kv_cache_bytes=(int(slots) + 1) * per_slot)
+            dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.group)
+        if int(blocks) < first.cache.num_blocks:
+            per_block = bytes_per_position(first.model.shard, self.cfg, first.dtype) * first.cache.block_size
+            first.reset_cache(max_seq_len=first.max_seq_len, kv_cache_bytes=(int(blocks) + 1) * per_block)
 
     def _fuse_targets(self) -> None:
         transposed = self._engine_config.transposed_weights

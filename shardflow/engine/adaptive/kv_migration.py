@@ -99,13 +99,17 @@ def regroup_factor(cfg: ModelConfig, merge: Merge) -> int:
     return _heads(cfg, merge.src, rank)[1] // _heads(cfg, merge.dst, rank)[1]
 
 
-def fit_problem(cfg: ModelConfig, merge: Merge, active: Sequence[int], slots: int, mode: str) -> str | None:
+def fit_problem(cfg: ModelConfig, merge: Merge, active: Sequence[int], slots: int, mode: str, *,
+                paged: bool = False) -> str | None:
     """Why the switch does not fit in the KV caches (None if it does).
 
     ``active``: active requests per old replica; ``slots``: slots of every rank's old cache view.
     Every merged replica must fit its active requests in the new view's slots; migration also
-    needs, on each rank, a clean slot for every request it receives.
+    needs, on each rank, a clean slot for every request it receives, and moves contiguous slots
+    only (a ``paged`` cache's requests are recomputed; its engine preempts what its blocks lack).
     """
+    if paged and mode == MIGRATE:
+        return "KV migration moves contiguous slots; a paged KV cache switches by recompute"
     f = regroup_factor(cfg, merge)
     new_slots = (slots + 1) * f - 1
     for q, members in enumerate(merge.groups):

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from shardflow.config.experiment import BLAS_LIBRARIES, COMPILE_MODES
 from shardflow.engine.compile_fallback import compiled_or_eager
@@ -255,7 +256,10 @@ class GenerationEngine:
         # Room for prefill activations and for sampling over [batch, vocabulary] in float32.
         prefill = config.max_prefill_tokens * (6 * cfg.hidden_size + 3 * shard.intermediate_size) * item
         sampling = 8 * config.max_batch_size * cfg.vocab_size * 4
-        return max(1, int(0.9 * free) - prefill - sampling - (1 << 30))
+        budget = torch.tensor([max(1, int(0.9 * free) - prefill - sampling - (1 << 30))], device=self.device)
+        if self.model.tp_group is not None:  # the ranks of a replica take one decision: one cache size
+            dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=self.model.tp_group)
+        return int(budget)
 
     # ----- one decode step (what a CUDA graph captures) -------------------------------------------
 

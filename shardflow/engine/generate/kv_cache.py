@@ -19,7 +19,7 @@ Two ways to lay it out, one code path:
 Decisions depend only on host data that every tp rank holds identically (lowest free block first),
 so the ranks of a replica keep identical tables. Heads keep their own dimension: re-splitting the
 cache over a different tp group (adaptive TP) is a slice along dim 1, and ``regroup`` views the
-same memory with fewer heads per slot and proportionally more slots (contiguous layout).
+same memory with fewer heads per block and proportionally more blocks (and slots).
 """
 
 from __future__ import annotations
@@ -132,19 +132,21 @@ class KVCache:
         return cls.zeros(num_slots=slots, **common)
 
     def regroup(self, num_kv_heads: int) -> "KVCache":
-        """A new cache over the same memory with ``num_kv_heads`` heads per slot (dividing this
-        cache's), every slot free. Data of slot ``s``, heads ``[j * n, (j + 1) * n)`` (n the new head
-        count) is slot ``s * f + j`` of the result, f = old heads / n; its scratch slot lies inside
-        this cache's scratch slot. Contiguous caches only."""
-        if self.paged:
-            raise NotImplementedError("adaptive tensor parallelism regroups contiguous KV caches only; run it with "
-                                      "generation.kv_block_size = 0")
+        """A new cache over the same memory with ``num_kv_heads`` heads per block (dividing this
+        cache's), every slot and block free. Data of block ``b``, heads ``[j * n, (j + 1) * n)`` (n
+        the new head count) is block ``b * f + j`` of the result, f = old heads / n; its scratch
+        block lies inside this cache's scratch block. A contiguous cache's blocks are its slots; a
+        paged one gets ``(slots + 1) * f - 1`` slots (as many as a contiguous one would)."""
         first = next(iter(self.k.values()))
-        slots1, heads, max_len, head_dim = first.shape  # slots + 1
+        blocks1, heads, block_size, head_dim = first.shape  # blocks + 1
         if num_kv_heads < 1 or heads % num_kv_heads:
             raise ValueError(f"cannot regroup a cache of {heads} KV heads per slot into {num_kv_heads}")
-        shape = (slots1 * (heads // num_kv_heads), num_kv_heads, max_len, head_dim)
-        return KVCache({i: t.view(shape) for i, t in self.k.items()}, {i: t.view(shape) for i, t in self.v.items()})
+        f = heads // num_kv_heads
+        shape = (blocks1 * f, num_kv_heads, block_size, head_dim)
+        k, v = {i: t.view(shape) for i, t in self.k.items()}, {i: t.view(shape) for i, t in self.v.items()}
+        if not self.paged:
+            return KVCache(k, v)
+        return KVCache(k, v, num_slots=(self.num_slots + 1) * f - 1, max_len=self.max_len)
 
     @property
     def num_kv_heads(self) -> int:
@@ -187,12 +189,16 @@ class KVCache:
 
     def release_all(self) -> None:
         """Forget every request (their data stays in memory, e.g. for a regrouped view)."""
-        if self.paged:
-            raise NotImplementedError("requests keep their KV in place only in a contiguous cache")
         self._free = list(range(self.num_slots))
+        if self.paged:
+            self._blocks = [[] for _ in range(self.num_slots)]
+            self._refs = [0] * self.num_blocks
+            self._free_blocks = list(range(self.num_blocks))
+            self.table.fill_(self.scratch_block)
 
     def reserve(self, slots: list[int]) -> None:
-        """Mark these free slots taken (requests whose data is already in them; contiguous only)."""
+        """Mark these free slots taken (requests whose data is already in them; contiguous only:
+        a paged cache's requests move between views by recompute)."""
         if self.paged:
             raise NotImplementedError("requests keep their KV in place only in a contiguous cache")
         taken = set(slots)
