@@ -139,18 +139,27 @@ def test_two_switches_d4t1_d2t2_d1t4_and_an_unreachable_one_refused(pool, checkp
     assert (step, target) == (4, middle) and "not reachable from d1p1t4@0-3 by merging" in reason
 
 
-def test_a_paged_cache_switches_by_recompute(pool, checkpoints):
-    """With a paged KV cache (blocks regrouped into views like slots) two switches recompute the
-    KV, ``auto`` picks recompute, and a forced migration is refused; the tokens are the static run's."""
+def test_a_paged_cache_migrates_by_block(pool, checkpoints):
+    """With a paged KV cache (views regrouped by block) switches migrate the heads into clean blocks
+    of the new view, recompute, or choose; the tokens are the static run's."""
     final, middle = "d1p1t4@0-3", "d2p1t2@0,2,1,3"
-    runs = {"recompute,auto": {2: (middle, "recompute"), 5: (final, "auto")}, "migrate": {3: (final, "migrate")}}
+    runs = {"migrate,migrate": {2: (middle, "migrate"), 6: (final, "migrate")},
+            "recompute,auto": {1: (middle, "recompute"), 5: (final, "auto")}}
     result = run(pool, checkpoints, "llama", "d4p1t1@0,2,1,3", [middle, final], runs, params=MIXED,
                  engine_kwargs=dict(kv_block_size=16))
-    assert [s[:3] for s in result["recompute,auto"]["switches"]] == [(2, middle, "recompute"),
-                                                                     (5, final, "recompute")]
-    [(step, target, reason)] = result["migrate"]["refusals"]
-    assert (step, target) == (3, final) and "a paged KV cache switches by recompute" in reason
-    assert result["migrate"]["switches"] == []
+    assert [s[:3] for s in result["migrate,migrate"]["switches"]] == [(2, middle, "migrate"), (6, final, "migrate")]
+    assert [s[:3] for s in result["recompute,auto"]["switches"]][0] == (1, middle, "recompute")
+    assert sum(s["kv_bytes"] for s in result["migrate,migrate"]["trace"]["switches"]) > 0
+
+
+def test_a_paged_migration_without_clean_blocks_recomputes(pool, checkpoints):
+    """Every block of the old view holding KV of a request on the rank leaves no clean block to
+    receive into: the ranks agree to recompute instead, and the tokens are still the static run's."""
+    runs = {"migrate": {6: ("d1p1t2@0-1", "migrate")}}
+    # 4 requests of up to 30 + 12 tokens per replica in 5 blocks of 16: the old blocks in use leave too few
+    result = run(pool, checkpoints, "llama", "d2p1t1@0-1", ["d1p1t2@0-1"], runs, params=MIXED,
+                 engine_kwargs=dict(kv_block_size=16, max_batch_size=8, kv_cache_bytes=6 * 16 * 2 * 4 * 2 * 16 * 4))
+    assert [s[:3] for s in result["migrate"]["switches"]] == [(6, "d1p1t2@0-1", "recompute")]
 
 
 def test_tp_beyond_kv_heads(pool, checkpoints):

@@ -157,9 +157,6 @@ def test_configuration_turns_it_on_and_checks_it():
         check_plan(load_config(None, ["generation.adaptive.enabled=true"], base=base), graph, models)
     with pytest.raises(ValueError, match="generation.adaptive.kv_mode must be one of auto, migrate, recompute"):
         load_config(None, ["generation.adaptive.kv_mode=copy"], base=base)
-    with pytest.raises(ValueError, match="kv_mode=migrate moves contiguous KV slots; with generation.kv_block_size=16"):
-        check_plan(load_config(None, ["generation.adaptive.enabled=true", "generation.kv_block_size=16",
-                                      "generation.adaptive.kv_mode=migrate"], base=base), graph, models)
 
 
 def test_one_rank_generator_refusals_and_bad_schedules(checkpoints):

@@ -188,10 +188,6 @@ def check_plan(config: ExperimentConfig, graph: Graph, models: dict[str, ModelCo
         raise ValueError(f"the plan uses {plan.num_devices()} devices but run.devices={devices}; "
                          f"device(s) {unused} would sit idle")
     if config.generation.adaptive.enabled:
-        if config.generation.kv_block_size and config.generation.adaptive.kv_mode == "migrate":
-            raise ValueError("generation.adaptive.kv_mode=migrate moves contiguous KV slots; with "
-                             f"generation.kv_block_size={config.generation.kv_block_size} (paged) switches recompute "
-                             "the KV: set kv_mode to recompute or auto, or kv_block_size to 0")
         for call in graph.model_calls():
             if call.kind is Kind.GENERATE and not plan[call.name].tp_targets:
                 raise ValueError(f"generation.adaptive.enabled is on, but the plan gives {call.name!r} no "

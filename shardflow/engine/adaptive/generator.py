@@ -60,7 +60,7 @@ from shardflow.engine.adaptive.trace import GenerationTrace, Refusal, SwitchReco
 from shardflow.engine.generate.decode_weights import make_decode_weights, refresh_decode_weights
 from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
 from shardflow.engine.generate.episodes import Answers, Episodes, Turns, apply_answers
-from shardflow.engine.generate.kv_cache import bytes_per_position
+from shardflow.engine.generate.kv_cache import KVCache, bytes_per_position
 from shardflow.engine.generate.replicas import fill_results, replica_share, result_states
 from shardflow.engine.generate.requests import Request
 from shardflow.engine.generate.sampling import batch_mode
@@ -94,10 +94,6 @@ class AdaptiveGenerator:
         cfg, start, rank = model.cfg, model.shard.layout, world.rank
         if start.pp != 1:
             raise ValueError(f"generation with pipeline parallelism is not supported (layout {start}); use pp=1")
-        if engine_config.kv_block_size is not None and config.kv_mode == MIGRATE:
-            raise ValueError("KV migration moves contiguous slots: with a paged KV cache (kv_block_size="
-                             f"{engine_config.kv_block_size}) adaptive TP switches by recompute; set kv_mode to "
-                             "recompute or auto")
         self.paged = engine_config.kv_block_size is not None
         self.world, self.cfg, self.config = world, cfg, config
         self.device = next(model.parameters()).device
@@ -323,8 +319,7 @@ class AdaptiveGenerator:
                                              prior_weight=self.config.prior_weight)
         self.predictor.max_len = max_new
         return Decider(cfg=self.cfg, chain=self.chain, steps=self.steps, costs=self.costs, predictor=self.predictor,
-                       config=self.config, kv_mode=RECOMPUTE if self.paged else self.config.kv_mode,
-                       weight_bytes=self.weight_bytes)
+                       config=self.config, kv_mode=self.config.kv_mode, weight_bytes=self.weight_bytes)
 
     def restore_predictor(self, state: dict) -> None:
         """Length history of an earlier run (``predictor.state_dict()``), e.g. on resume."""
@@ -365,8 +360,9 @@ class AdaptiveGenerator:
             refresh_decode_weights(self.models[target])
         t1 = time.perf_counter()
 
+        # where this rank's requests' KV lies in the old view (the step in flight was read above)
+        old_blocks = {r.request_id: old.cache.blocks_of(r.slot) for r in old.active}
         active, waiting = old.detach(finished)
-        old_slot = {r.request_id: r.slot for r in active}
         parts = gather_requests(self.world.groups.get(target.tp_group(rank)), merge, rank, active, waiting,
                                 list(pending.values()))
         merged = [r for p in parts for r in p.active]
@@ -375,6 +371,7 @@ class AdaptiveGenerator:
         t2 = time.perf_counter()
 
         kv_bytes = extra = 0
+        plan = None
         if mode == MIGRATE:
             shard = shard_for(cfg, target, rank)
             item = next(iter(new.cache.k.values())).element_size()
@@ -383,17 +380,16 @@ class AdaptiveGenerator:
                            [(r.request_id, p.replica, r.cached_len) for p in parts for r in p.active],
                            shard.layers, per_position, self.config.bucket_bytes)
             factor = regroup_factor(cfg, merge)
-            clean = clean_slots(new.cache.num_slots, factor, list(old_slot.values()))
-            receive = plan.received[rank]
-            assert len(receive) <= len(clean), "the fit check let through a migration without room"
-            new_slot = dict(zip(receive, clean))
-            _, kv_bytes = migrate(plan, rank, new.cache, factor, old_slot, new_slot)
+            places = self._places(new.cache, factor, merged, plan.kept[rank], old_blocks)
+            if places is None:
+                mode, plan = RECOMPUTE, None
+        if plan is not None:
+            slots, new_blocks = places
+            _, kv_bytes = migrate(plan, rank, new.cache, factor, old_blocks, new_blocks)
             extra = plan.peak_buffer_bytes(rank, per_position)
             for r in merged:
-                r.slot = new_slot.get(r.request_id)
-                if r.slot is None:
-                    r.slot = old_slot[r.request_id] * factor + plan.kept[rank][r.request_id]
-            new.adopt(merged)
+                r.slot = slots[r.request_id]
+            new.adopt(merged, new_blocks if new.cache.paged else None)
             new.submit(queued)
         else:
             for r in merged:
@@ -484,6 +480,33 @@ class AdaptiveGenerator:
         self._equal_slots()
         for layout in self.chain[1:]:
             self.engines[layout].use_cache(first.cache.regroup(self._heads(layout)))
+
+    def _places(self, cache: KVCache, factor: int, merged: list[Request], kept: Mapping[int, int],
+                old_blocks: Mapping[int, list[int]]) -> tuple[dict[int, int], dict[int, list[int]]] | None:
+        """Where each merged request's KV lies in the new view ``cache`` after a migration: (slot,
+        blocks) by request id. A kept request stays in its old blocks' sub-blocks of its heads; a
+        received one goes to clean slots (contiguous) or clean blocks (paged). None if a paged
+        cache lacks the clean blocks on some rank of the generator (collective: then every rank
+        recomputes instead)."""
+        received = [r for r in merged if r.request_id not in kept]
+        if not cache.paged:
+            clean = clean_slots(cache.num_slots, factor, [b for blocks in old_blocks.values() for b in blocks])
+            assert len(received) <= len(clean), "the fit check let through a migration without room"
+            slots = {r.request_id: s for r, s in zip(received, clean)}
+            slots |= {i: old_blocks[i][0] * factor + sub for i, sub in kept.items()}
+            return slots, {i: [s] for i, s in slots.items()}
+        clean = cache.clean_blocks(factor, [b for blocks in old_blocks.values() for b in blocks])
+        need = [cache.blocks_for(r.cached_len) for r in received]
+        fits = torch.tensor([int(sum(need) <= len(clean))], device=self.device)
+        if self.group is not None:
+            dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.group)
+        if not int(fits):
+            logger.info("adaptive TP: too few clean KV blocks to migrate into; recomputing instead")
+            return None
+        blocks = {i: [b * factor + sub for b in old_blocks[i]] for i, sub in kept.items()}
+        for r, n in zip(received, need):
+            blocks[r.request_id], clean = clean[:n], clean[n:]
+        return {r.request_id: s for s, r in enumerate(merged)}, blocks
 
     def _equal_slots(self) -> None:
         """Give every rank as many KV blocks (slots of a contiguous cache) as the rank with the

@@ -5,10 +5,11 @@ each, the KV heads its new tp index holds. Two ways to get them:
 
 - **migrate**: the heads move rank to rank. Every layout's cache is a regrouped view of the same
   memory (``KVCache.regroup``), so a request of the rank's own replica whose new heads lie inside
-  its old ones stays where it is: only its slot number changes. Every other (request, rank) pair
-  receives its heads point-to-point from a rank of the request's old replica that holds them, into
-  a *clean* slot (one that is not part of an old active slot, so it holds nothing still to be
-  sent). Messages are cut into buckets of at most ``bucket_bytes`` per peer and round: a rank's
+  its old ones stays where it is: only its slot number changes (in a paged cache, its blocks map
+  to their sub-blocks of its heads). Every other (request, rank) pair receives its heads
+  point-to-point from a rank of the request's old replica that holds them, into a *clean* slot or
+  clean blocks (not part of an old active slot or block, so they hold nothing still to be sent;
+  where a paged cache lacks them on some rank, every rank recomputes instead). Messages are cut into buckets of at most ``bucket_bytes`` per peer and round: a rank's
   extra memory is at most 2 x bucket_bytes x its peers.
 - **recompute**: the KV is dropped and each request is prefilled again in the new layout from
   ``prompt + output[:-1]`` (the engine's path for requests arriving with generated tokens).
@@ -105,11 +106,9 @@ def fit_problem(cfg: ModelConfig, merge: Merge, active: Sequence[int], slots: in
 
     ``active``: active requests per old replica; ``slots``: slots of every rank's old cache view.
     Every merged replica must fit its active requests in the new view's slots; migration also
-    needs, on each rank, a clean slot for every request it receives, and moves contiguous slots
-    only (a ``paged`` cache's requests are recomputed; its engine preempts what its blocks lack).
+    needs, on each rank, a clean slot for every request it receives (in a ``paged`` cache, clean
+    blocks, which the counts here cannot tell: the switch checks them, see ``clean_blocks``).
     """
-    if paged and mode == MIGRATE:
-        return "KV migration moves contiguous slots; a paged KV cache switches by recompute"
     f = regroup_factor(cfg, merge)
     new_slots = (slots + 1) * f - 1
     for q, members in enumerate(merge.groups):
@@ -117,7 +116,7 @@ def fit_problem(cfg: ModelConfig, merge: Merge, active: Sequence[int], slots: in
         if total > new_slots:
             return (f"replica {q} of {merge.dst} would decode {total} requests, but a rank's KV cache holds "
                     f"{new_slots} in that layout")
-        if mode != MIGRATE:
+        if mode != MIGRATE or paged:
             continue
         for rank in merge.dst.replica_ranks(q):
             own = active[merge.src.coord(rank).dp]
@@ -132,7 +131,7 @@ def fit_problem(cfg: ModelConfig, merge: Merge, active: Sequence[int], slots: in
 @dataclass(frozen=True)
 class Chunk:
     """Positions [start, stop) of one request's keys (tensor 0) or values (1) in one layer; on the
-    sender they sit in slot ``old_slot * f + sub`` of the new cache view."""
+    sender they sit in blocks ``b * f + sub`` of the new cache view, b its blocks in the old one."""
 
     request_id: int
     layer: int
@@ -220,11 +219,12 @@ def clean_slots(num_slots: int, factor: int, old_active_slots: Sequence[int]) ->
 
 
 @torch.no_grad()
-def migrate(plan: KVPlan, rank: int, cache: KVCache, factor: int, old_slot: dict[int, int],
-            new_slot: dict[int, int]) -> tuple[int, int]:
-    """Run this rank's part of ``plan`` on ``cache`` (the new layout's view). ``old_slot``: request
-    id -> slot in the old view, for requests this rank sends; ``new_slot``: request id -> slot in
-    the new view, for those it receives. Returns (messages posted, bytes received)."""
+def migrate(plan: KVPlan, rank: int, cache: KVCache, factor: int, old_blocks: dict[int, list[int]],
+            new_blocks: dict[int, list[int]]) -> tuple[int, int]:
+    """Run this rank's part of ``plan`` on ``cache`` (the new layout's view). ``old_blocks``:
+    request id -> its blocks in the old view, for requests this rank sends; ``new_blocks``: request
+    id -> its blocks in the new view, for those it receives (a contiguous cache's block is its
+    slot). Returns (messages posted, bytes received)."""
     first = next(iter(cache.k.values()))
     heads, dim, dtype, device = plan.heads, first.shape[3], first.dtype, first.device
     tensors = (cache.k, cache.v)
@@ -236,8 +236,8 @@ def migrate(plan: KVPlan, rank: int, cache: KVCache, factor: int, old_slot: dict
                 continue
             msg = buckets[i]
             if src == rank:
-                parts = [tensors[c.tensor][c.layer][old_slot[c.request_id] * factor + c.sub, :, c.start:c.stop]
-                         .reshape(-1) for c in msg]  # each [heads * positions * dim]
+                parts = [cache.span(tensors[c.tensor][c.layer], [b * factor + c.sub for b in old_blocks[c.request_id]],
+                                    c.start, c.stop).reshape(-1) for c in msg]  # each [heads * positions * dim]
                 sends.append((torch.cat(parts), dst))
             if dst == rank:
                 numel = sum((c.stop - c.start) * heads * dim for c in msg)
@@ -249,8 +249,8 @@ def migrate(plan: KVPlan, rank: int, cache: KVCache, factor: int, old_slot: dict
             offset = 0
             for c in msg:
                 n = (c.stop - c.start) * heads * dim
-                target = tensors[c.tensor][c.layer][new_slot[c.request_id], :, c.start:c.stop]  # [heads, len, dim]
-                target.copy_(buf[offset:offset + n].view(heads, c.stop - c.start, dim))
+                cache.write_span(tensors[c.tensor][c.layer], new_blocks[c.request_id], c.start, c.stop,
+                                 buf[offset:offset + n].view(heads, c.stop - c.start, dim))
                 offset += n
             received_bytes += buf.numel() * buf.element_size()
     return posted, received_bytes

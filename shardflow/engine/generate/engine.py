@@ -47,7 +47,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -409,16 +409,22 @@ class GenerationEngine:
         self.cache.release_all()
         return active, waiting
 
-    def adopt(self, requests: Sequence[Request]) -> None:
+    def adopt(self, requests: Sequence[Request], blocks: Mapping[int, list[int]] | None = None) -> None:
         """Requests whose KV is already in this engine's cache (``slot`` and ``cached_len`` set)
-        join the end of the active batch, in order."""
+        join the end of the active batch, in order; in a paged cache ``blocks`` names each one's
+        blocks (by request id)."""
         for r in requests:
             if r.done or r.slot is None or not 0 < r.cached_len <= r.num_tokens - 1:
                 raise ValueError(f"request {r.request_id} cannot be adopted: done={r.done}, slot={r.slot}, "
                                  f"cached_len={r.cached_len} of {r.num_tokens} tokens")
         if self._launched is not None:
             raise RuntimeError("cannot adopt requests with a decode step in flight; flush first")
+        if self.cache.paged and (blocks is None or any(r.request_id not in blocks for r in requests)):
+            raise ValueError("requests adopted into a paged KV cache need their blocks")
         self.cache.reserve([r.slot for r in requests])
+        for r in requests:
+            if self.cache.paged:
+                self.cache.assign(r.slot, blocks[r.request_id])
         for r in requests:  # their prompt groups were numbered by other engines, maybe other processes
             r.prompt_group, r.shared_prompt = -1, 0
         self.active += list(requests)

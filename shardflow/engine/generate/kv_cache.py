@@ -197,10 +197,8 @@ class KVCache:
             self.table.fill_(self.scratch_block)
 
     def reserve(self, slots: list[int]) -> None:
-        """Mark these free slots taken (requests whose data is already in them; contiguous only:
-        a paged cache's requests move between views by recompute)."""
-        if self.paged:
-            raise NotImplementedError("requests keep their KV in place only in a contiguous cache")
+        """Mark these free slots taken (requests whose data is already in them; a paged slot then
+        gets its blocks by ``assign``)."""
         taken = set(slots)
         assert len(taken) == len(slots) and taken <= set(self._free), (slots, self._free)
         self._free = [s for s in self._free if s not in taken]
@@ -260,6 +258,24 @@ class KVCache:
     def blocks_of(self, slot: int) -> list[int]:
         return list(self._blocks[slot]) if self.paged else [slot]
 
+    def assign(self, slot: int, blocks: list[int]) -> None:
+        """A taken paged slot with no blocks holds these, in order (data already in them, or about
+        to be written); blocks other slots hold are shared."""
+        assert self.paged and not self._blocks[slot] and len(blocks) <= self.blocks_per_slot, (slot, blocks)
+        for b in blocks:
+            if self._refs[b] == 0:
+                self._free_blocks.remove(b)
+            self._refs[b] += 1
+        self._blocks[slot] = list(blocks)
+        if blocks:
+            self.table[slot, : len(blocks)] = torch.tensor(blocks).to(self.table.device)
+
+    def clean_blocks(self, factor: int, held: list[int]) -> list[int]:
+        """Blocks of this view (``regroup`` by ``factor`` of another) outside every block of the
+        other's that ``held`` lists: they hold nothing still to be read."""
+        dirty = {b * factor + j for b in held for j in range(factor)}
+        return [b for b in range(self.num_blocks) if b not in dirty]
+
     # ----- reads and writes ----------------------------------------------------------------------
 
     def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,6 +298,26 @@ class KVCache:
             v_cache[blocks, :, at] = v.transpose(1, 2)[:, None]
             return
         write_kv(k_cache, v_cache, *self.locate(slots[:, None].expand_as(positions), positions), k, v)
+
+    def span(self, t: torch.Tensor, blocks: list[int], start: int, stop: int) -> torch.Tensor:
+        """Positions [start, stop) of the request whose blocks ``blocks`` lists, in one layer's keys
+        or values ``t``: [heads, stop - start, d] (a view within one block, else a copy)."""
+        first, last = start // self.block_size, (stop - 1) // self.block_size
+        if first == last:
+            return t[blocks[first], :, start % self.block_size: (stop - 1) % self.block_size + 1]
+        pos = torch.arange(start, stop)
+        index = torch.tensor(blocks)[pos // self.block_size].to(t.device)
+        return t[index, :, (pos % self.block_size).to(t.device)].transpose(0, 1)
+
+    def write_span(self, t: torch.Tensor, blocks: list[int], start: int, stop: int, data: torch.Tensor) -> None:
+        """Store ``data`` [heads, stop - start, d] at positions [start, stop) (see ``span``)."""
+        first, last = start // self.block_size, (stop - 1) // self.block_size
+        if first == last:
+            t[blocks[first], :, start % self.block_size: (stop - 1) % self.block_size + 1] = data
+            return
+        pos = torch.arange(start, stop)
+        index = torch.tensor(blocks)[pos // self.block_size].to(t.device)
+        t[index, :, (pos % self.block_size).to(t.device)] = data.transpose(0, 1)
 
     def gather(self, layer: int, slots: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, span) of ``slots`` [G]: [G, kv_heads, span, d] each."""
