@@ -9,8 +9,9 @@ each, the KV heads its new tp index holds. Two ways to get them:
   to their sub-blocks of its heads). Every other (request, rank) pair receives its heads
   point-to-point from a rank of the request's old replica that holds them, into a *clean* slot or
   clean blocks (not part of an old active slot or block, so they hold nothing still to be sent;
-  where a paged cache lacks them on some rank, every rank recomputes instead). Messages are cut into buckets of at most ``bucket_bytes`` per peer and round: a rank's
-  extra memory is at most 2 x bucket_bytes x its peers.
+  where a paged cache lacks them on some rank, every rank recomputes instead). Messages are cut
+  into buckets of at most ``bucket_bytes`` per peer and round: a rank's extra memory is at most
+  2 x bucket_bytes x its peers.
 - **recompute**: the KV is dropped and each request is prefilled again in the new layout from
   ``prompt + output[:-1]`` (the engine's path for requests arriving with generated tokens).
 
