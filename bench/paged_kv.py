@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ from generation import random_model  # noqa: E402
 from shardflow.engine.generate.decode_attention import ATTENTION  # noqa: E402
 from shardflow.engine.generate.engine import EngineConfig, GenerationEngine  # noqa: E402
 from shardflow.engine.generate.kv_cache import KVCache, bytes_per_position  # noqa: E402
+from shardflow.engine.generate.requests import SamplingParams, make_requests  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.parallel.sharding import shard_for  # noqa: E402
 
@@ -73,23 +75,40 @@ def bench_attention(cfg, device, batch: int, context: int, blocks: list[int]) ->
 
 def bench_decode(cfg, device, dtype, batch: int, context: int, steps: int, blocks: list[int], compile_: bool,
                  bandwidth: float) -> list[dict]:
+    """Per cache layout: all rows at one context (``bench_engine``: they cross into new blocks at
+    the same step), and staggered by up to 63 positions (rows get new blocks at most steps)."""
     model = random_model(cfg, device, dtype)
     item = torch.empty((), dtype=dtype).element_size()
-    rows, outputs = [], {}
+    rows = []
     for block in [None, *blocks]:
         engine = GenerationEngine(model, EngineConfig(max_seq_len=context + steps + 2, max_batch_size=batch,
                                                       kv_cache_bytes=1 << 30, compile=compile_,
                                                       kv_block_size=block))
         row = bench_engine(engine, cfg, batch, context, steps, bandwidth, item)
         row["layout"] = "contiguous" if block is None else f"paged {block}"
+        row["staggered_ms_per_step"] = staggered_step(engine, cfg, batch, context, steps) * 1e3
         row["preemptions"] = engine.stats.preemptions
         rows.append(row)
         engine.release_cache()
         del engine
     for row in rows:
         row["vs_contiguous"] = row["ms_per_step"] / rows[0]["ms_per_step"]
+        row["staggered_vs_contiguous"] = row["staggered_ms_per_step"] / rows[0]["staggered_ms_per_step"]
     del model
     return rows
+
+
+def staggered_step(engine: GenerationEngine, cfg, batch: int, context: int, steps: int) -> float:
+    """Median seconds per decode step of ``batch`` requests of context - (0..63) positions."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, cfg.vocab_size, (context - (i * 37) % 64,), generator=g).tolist()
+               for i in range(batch)]
+    requests = make_requests(prompts, SamplingParams(max_new_tokens=steps + 1, temperature=0.0, ignore_eos=True))
+    engine.stats.decode_steps.clear()
+    engine.generate(requests)
+    times = [t for b, t in engine.stats.decode_steps if b == batch]
+    assert len(times) == steps, engine.stats.decode_steps
+    return statistics.median(times[3:])
 
 
 def bench_capacity(cfg, cache_gib: float, mean_len: int, max_len: int, blocks: list[int], seed: int = 0) -> dict:
@@ -167,7 +186,8 @@ def main() -> None:
     report["decode"] = bench_decode(cfg, device, dtype, batch, context, steps, blocks, args.compile, bandwidth)
     for row in report["decode"]:
         print(f"decode {row['layout']:>12}: batch {batch} context {context}: {row['ms_per_step']:7.2f} ms/step "
-              f"({row['vs_contiguous']:.3f}x), roofline {row['roofline_ms']:.2f} ms ({row['vs_roofline']:.2f}x)")
+              f"({row['vs_contiguous']:.3f}x), roofline {row['roofline_ms']:.2f} ms ({row['vs_roofline']:.2f}x); "
+              f"staggered contexts {row['staggered_ms_per_step']:7.2f} ms/step ({row['staggered_vs_contiguous']:.3f}x)")
     save()
     print(f"wrote {out / 'paged_kv.json'} in {time.perf_counter() - t0:.0f} s")
 

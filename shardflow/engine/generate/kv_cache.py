@@ -237,8 +237,17 @@ class KVCache:
                 self._blocks[s].append(b)
                 self._refs[b] = 1
         if new:
-            self.table[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(new).to(self.table.device)
+            self._set_table(rows, cols, new)
         return True
+
+    def _set_table(self, rows: list[int], cols: list[int], blocks: list[int]) -> None:
+        """table[rows[i], cols[i]] = blocks[i], without the host waiting for the device: the
+        engine launches a decode step before it reads the last one back, and rows cross into new
+        blocks at most steps."""
+        update = torch.tensor([rows, cols, blocks], dtype=torch.int64)
+        if self.table.device.type == "cuda":
+            update = update.pin_memory().to(self.table.device, non_blocking=True)
+        self.table[update[0], update[1]] = update[2]
 
     def share(self, source: int, slots: list[int], length: int) -> None:
         """Slots holding no blocks yet take ``source``'s blocks of the whole blocks within its first
@@ -268,7 +277,7 @@ class KVCache:
             self._refs[b] += 1
         self._blocks[slot] = list(blocks)
         if blocks:
-            self.table[slot, : len(blocks)] = torch.tensor(blocks).to(self.table.device)
+            self._set_table([slot] * len(blocks), list(range(len(blocks))), list(blocks))
 
     def clean_blocks(self, factor: int, held: list[int]) -> list[int]:
         """Blocks of this view (``regroup`` by ``factor`` of another) outside every block of the
