@@ -31,8 +31,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from generation import LLAMA_8B, TINY, bench_engine, kernel_timed, llama_config, measure_bandwidth  # noqa: E402
-from generation import random_model  # noqa: E402
+from generation import (  # noqa: E402
+    LLAMA_8B,
+    TINY,
+    bench_engine,
+    kernel_timed,
+    llama_config,
+    measure_bandwidth,
+    random_model,  # noqa: E402
+)
 
 from shardflow.engine.generate.decode_attention import ATTENTION  # noqa: E402
 from shardflow.engine.generate.engine import EngineConfig, GenerationEngine  # noqa: E402
