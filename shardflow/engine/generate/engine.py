@@ -454,12 +454,14 @@ class GenerationEngine:
         if not cache.paged:
             return
         if first.cached_len:  # a resumed episode
-            assert cache.ensure([first.slot], [first.num_tokens - 1])
-            return
-        prompt = len(_prefill_ids(first))
-        assert cache.ensure([first.slot], [prompt])
-        cache.share(first.slot, [r.slot for r in unit[1:]], prompt)
-        assert cache.ensure([r.slot for r in unit[1:]], [prompt] * (len(unit) - 1))
+            given = cache.ensure([first.slot], [first.num_tokens - 1])
+        else:
+            prompt = len(_prefill_ids(first))
+            given = cache.ensure([first.slot], [prompt])
+            cache.share(first.slot, [r.slot for r in unit[1:]], prompt)
+            given = given and cache.ensure([r.slot for r in unit[1:]], [prompt] * (len(unit) - 1))
+        if not given:  # _admissible counted them
+            raise RuntimeError(f"the KV cache ran out of blocks admitting request {first.request_id}")
 
     def _grow(self, rows: list[Request]) -> bool:
         """Blocks for the position each row's next step writes (and, with a step in flight, the one
