@@ -36,13 +36,10 @@ def test_the_calculator_example_learns_to_call_its_tool(pool, tmp_path_factory):
     # the warm start calls the calculator in about half of its episodes and answers the rest
     # itself, mostly wrongly; GRPO learns to call it (and to copy the operands right)
     assert max(m["rollout/turns_max"] for m in metrics) >= 2
-    # Runs are not bitwise repeatable (two runs of one commit part after a few iterations), so the
-    # checks compare the first and last 10 iterations: turns per episode (1 or 2) and rewards each
-    # vary by ~0.06 per iteration of 64 episodes, so two 10-iteration means differ by ~0.03 from
-    # noise alone. Runs learn +0.13-0.16 turns and +0.11-0.13 reward (start reward 0.6-0.65 with
-    # today's packages): +0.1 turns is 3.5 sigma of noise, and +0.05 reward on top of it confirms.
-    assert mean(turns[-10:]) > mean(turns[:10]) + 0.1, turns
-    assert mean(rewards[-10:]) > mean(rewards[:10]) + 0.05, rewards
+    assert mean(turns[-5:]) > mean(turns[:5]) + 0.15, turns
+    # (the start's reward is 0.6-0.65 with today's packages, about 0.1 above the design's; a 5-iteration
+    # mean of 64 episodes varies by ~0.04, so +0.1 still separates learning from noise)
+    assert mean(rewards[-5:]) > mean(rewards[:5]) + 0.1, rewards
     assert all(m["rollout/tool_calls"] > 0 and m["rollout/observation_tokens"] > 0 for m in metrics)
 
 

@@ -147,8 +147,8 @@ class GenerationConfig(Settings):
                                               "cuBLAS kernels), for a copy of o, down and the LM head")
     share_prompt_kv: bool = setting(True, "decode attention on GPUs reads a prompt's KV once for all its samples "
                                           "(fewer bytes by the prompt's share of the context)")
-    kv_block_size: int = setting(64, "tokens per KV cache block: the cache holds the blocks requests reach, not "
-                                     "max_seq_len per request (0 = one contiguous block per request)", ge=0,
+    kv_block_size: int = setting(0, "tokens per KV cache block, e.g. 64: the cache holds the blocks requests reach, "
+                                    "not max_seq_len per request (0 = one contiguous block per request)", ge=0,
                                  multiple_of=KV_BLOCK_MULTIPLE)
     adaptive: AdaptiveConfig = section(AdaptiveConfig, "adaptive tensor parallelism")
 
