@@ -171,6 +171,42 @@ class ScriptedTurns:
         return out
 
 
+class LateTurns(ScriptedTurns):
+    """ScriptedTurns whose answers each come after a random number of looks, in random order: an
+    environment whose speed varies from run to run."""
+
+    def __init__(self, vocab: int, max_seq_len: int, seed: int):
+        super().__init__(vocab, max_seq_len)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def ended(self, r):
+        super().ended(r)
+        self.answers[-1][0] = int(torch.randint(0, 4, (1,), generator=self.gen))
+
+    def ready(self, wait):
+        out = super().ready(wait and not any(left < 1 for left, _ in self.answers))
+        return [out[i] for i in torch.randperm(len(out), generator=self.gen).tolist()]
+
+
+def steps_of_episodes(engine, seed: int, reproducible: bool) -> tuple[int, list]:
+    from shardflow.engine.generate.episodes import run_episodes
+
+    requests = make_requests(prompts(), SamplingParams(max_new_tokens=TURN_TOKENS, temperature=1.0), 2)
+    steps = run_episodes(engine, requests, LateTurns(128, 96, seed), [{}] * len(requests),
+                         share=lambda answers: answers, max_output=200, sync_every=2, reproducible=reproducible)
+    return steps, [(r.output_ids, r.observation_spans) for r in requests]
+
+
+def test_reproducible_episodes_resume_at_steps_the_tokens_fix(checkpoints):
+    """However late and in whatever order the environments answer, reproducible episodes take the
+    same decode steps to the same tokens; without it, the steps follow the environments' speed."""
+    engine = GenerationEngine(local_model(checkpoints.get("episode_llama", "llama")),
+                              EngineConfig(max_batch_size=4, max_seq_len=96), eos_token_ids=(2,))
+    runs = [steps_of_episodes(engine, seed, reproducible=True) for seed in range(3)]
+    assert all(run == runs[0] for run in runs)
+    assert len({steps_of_episodes(engine, seed, reproducible=False)[0] for seed in range(3)}) > 1
+
+
 def adaptive_episodes_job(world, path: str, start: str, target: str, schedule: dict):
     from shardflow.config.experiment import AdaptiveConfig
     from shardflow.engine.adaptive.generator import AdaptiveGenerator

@@ -207,6 +207,9 @@ class RolloutConfig(Settings):
                            ge=0)
     step_timeout_s: float = setting(30.0, "longest an environment may take to make or step an episode (one that "
                                           "raises or times out ends it with reward.error_value, counted)", gt=0)
+    reproducible: bool = setting(False, "resume episodes at decode steps that depend on the tokens alone, not on how "
+                                        "fast their environments answered, so that a seed repeats its run exactly "
+                                        "(decoding then waits for slow environments)")
 
 
 PRESET = "(default: the algorithm's)"

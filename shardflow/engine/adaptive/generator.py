@@ -59,7 +59,7 @@ from shardflow.engine.adaptive.switch_policy import Decider, Decision, Loads, bu
 from shardflow.engine.adaptive.trace import GenerationTrace, Refusal, SwitchRecord
 from shardflow.engine.generate.decode_weights import make_decode_weights, refresh_decode_weights
 from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
-from shardflow.engine.generate.episodes import Answers, Episodes, Turns, apply_answers
+from shardflow.engine.generate.episodes import Answers, Episodes, Turns, apply_answers, collect_answers
 from shardflow.engine.generate.kv_cache import KVCache, bytes_per_position
 from shardflow.engine.generate.replicas import fill_results, replica_share, result_states
 from shardflow.engine.generate.requests import Request
@@ -209,7 +209,8 @@ class AdaptiveGenerator:
                     break
                 if episodes is not None and (summary[:, BUSY] == ONLY_PENDING).any():
                     idle = not (summary[:, BUSY] == RUNNABLE).any()  # then wait for an answer
-                    apply_answers(engine, pending, self._answers(turns, own, pending, wait=idle), finished)
+                    answers = self._answers(turns, own, pending, wait=idle, every=episodes.reproducible)
+                    apply_answers(engine, pending, answers, finished)
                 target, mode, decision = self._decide(layout, summary, step, schedule, decider, trace)
                 if target is not None:
                     layout, pending = self._switch(layout, target, mode, step, decision, trace, ended, pending)
@@ -243,11 +244,14 @@ class AdaptiveGenerator:
         return torch.stack(parts).cpu().numpy()
 
     def _answers(self, turns: Turns | None, own: set[int], pending: Mapping[int, Request], *,
-                 wait: bool) -> Answers:
+                 wait: bool, every: bool) -> Answers:
         """Every holder's environment answers, all-gathered over the layout. With ``wait`` (no rank
-        has anything to decode) a holder with episodes of its own pending waits for one."""
-        waiting_here = wait and any(request_id in own for request_id in pending)
-        mine = turns.ready(wait=waiting_here) if turns is not None else []
+        has anything to decode) a holder with episodes of its own pending waits for one; with
+        ``every``, for all of them (``episodes.collect_answers``)."""
+        waiting_for = [request_id for request_id in pending if request_id in own]
+        mine = []
+        if turns is not None:
+            mine = collect_answers(turns, waiting_for, wait=wait and bool(waiting_for), every=every)
         if self.group is None:
             return mine
         parts: list = [None] * dist.get_world_size(self.group)

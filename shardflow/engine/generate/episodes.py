@@ -7,12 +7,16 @@ environments' answers are applied at fixed decode steps, the same on every tp ra
 replica: every ``sync_every`` steps, and whenever nothing is left to decode. There the holder's
 answers (observation tokens, or None when an episode is over) are broadcast to the replica's
 ranks (``share``), so that every rank resumes and closes the same episodes at the same step.
+
+Which answers are ready at a look depends on how fast the environments ran; with ``reproducible``
+a look waits for every episode pending there, so that the steps where episodes resume depend on
+the tokens alone and a seed repeats its run exactly (slow environments then hold decoding up).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
 from shardflow.engine.generate.engine import GenerationEngine
 from shardflow.engine.generate.requests import Request
@@ -42,6 +46,7 @@ class Episodes:
     turns: Turns | None
     rows: dict[int, dict]
     max_output: int
+    reproducible: bool = False  # each look at the answers waits for every pending episode
 
     def start(self, requests: Sequence[Request]) -> None:
         """Mark ``requests`` as episodes (each rank) and open their environments (the holder)."""
@@ -49,6 +54,20 @@ class Episodes:
             r.keep_kv, r.max_output = True, self.max_output
             if self.turns is not None:
                 self.turns.begin(r, self.rows[r.request_id])
+
+
+def collect_answers(turns: Turns, waiting_for: Collection[int], *, wait: bool, every: bool) -> Answers:
+    """The holder's answers at one look: those ready (with ``wait``: at least one), or with
+    ``every`` one for each episode of ``waiting_for``, however long they take. In request id
+    order, so that which worker answered first changes nothing that follows."""
+    answers = turns.ready(wait=wait)
+    if every:
+        missing = set(waiting_for) - {request_id for request_id, _ in answers}
+        while missing:
+            more = turns.ready(wait=True)
+            missing -= {request_id for request_id, _ in more}
+            answers += more
+    return sorted(answers, key=lambda answer: answer[0])
 
 
 def apply_answers(engine: GenerationEngine, pending: dict[int, Request], answers: Answers,
@@ -73,11 +92,11 @@ def apply_answers(engine: GenerationEngine, pending: dict[int, Request], answers
 def run_episodes(engine: GenerationEngine, requests: Sequence[Request], turns: Turns | None,
                  rows: Sequence[dict], *, share: Callable[[Answers | None], Answers],
                  max_output: int, on_finish: Callable[[Request], None] | None = None,
-                 sync_every: int = SYNC_EVERY) -> int:
+                 sync_every: int = SYNC_EVERY, reproducible: bool = False) -> int:
     """Run ``requests`` (this replica's, with their dataset ``rows``) as episodes to their end;
     returns the decode steps taken. ``turns`` is None on the ranks that do not hold the
     environments; ``share`` broadcasts the holder's answers (identity with one rank);
-    ``on_finish`` sees each episode once it is over."""
+    ``on_finish`` sees each episode once it is over; ``reproducible``: see the module's note."""
     Episodes(turns, {r.request_id: row for r, row in zip(requests, rows)}, max_output).start(requests)
     pending: dict[int, Request] = {}
 
@@ -94,7 +113,10 @@ def run_episodes(engine: GenerationEngine, requests: Sequence[Request], turns: T
             engine.step(turn_ended)
             steps += 1
         if pending and (not runnable or steps % sync_every == 0):
-            answers = share(turns.ready(wait=not runnable) if turns is not None else None)
+            mine = None
+            if turns is not None:
+                mine = collect_answers(turns, pending, wait=not runnable, every=reproducible)
+            answers = share(mine)
             apply_answers(engine, pending, answers, on_finish)
     assert not engine.parked, "an episode ended without closing its slot"
     return steps

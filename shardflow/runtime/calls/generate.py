@@ -137,7 +137,7 @@ def _generate(ctx: CallContext, engine: GenerationEngine) -> SequenceBatch | Non
         rows = [ctx.prompts[r.group].row for r in mine]
         run_episodes(engine, mine, side.client if side is not None else None, rows,
                      share=replica_share_fn(ctx.world, ctx.layout), max_output=episode_output_limit(config),
-                     on_finish=finished)
+                     on_finish=finished, reproducible=config.rollout.reproducible)
     else:
         engine.generate(mine, finished)
     seconds = time.perf_counter() - start
@@ -162,7 +162,7 @@ def _generate_adaptive(ctx: CallContext, generator: AdaptiveGenerator) -> Sequen
     if ctx.config.rollout.env:
         episodes = Episodes(side.client if side is not None else None,
                             {r.request_id: ctx.prompts[r.group].row for r in requests},
-                            episode_output_limit(ctx.config))
+                            episode_output_limit(ctx.config), ctx.config.rollout.reproducible)
     start = time.perf_counter()
     done = generator.generate(requests, side.finished if side is not None else None, episodes=episodes)
     seconds = time.perf_counter() - start
