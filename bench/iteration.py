@@ -202,11 +202,15 @@ def run_shardflow(work: Path, workload: dict, iterations: int, overrides: list[s
     first_end = rows[0]["time"] - started_at  # from the command to iteration 1's metrics
     steady = rows[1:] if len(rows) > 1 else rows
     phases = {k.removeprefix("time/"): statistics.median(r[k] for r in steady) for k in steady[0]
-              if k.startswith("time/") and not k.startswith("time/realloc")}
+              if k.startswith("time/") and not k.startswith(("time/realloc", "time/compile", "time/setup"))}
+    # what the first iteration spent compiling (per call) and on setup before it
+    first = {k.removeprefix("time/"): v for k, v in rows[0].items() if k.startswith(("time/compile", "time/setup"))}
+    recompiled = sorted({k for r in rows[1:] for k in r if k.startswith("time/compile")})
     peaks = {k.removeprefix("memory/").removesuffix("/peak_gb"): max(r[k] for r in rows) for k in rows[0]
              if k.startswith("memory/")}
     return {"iteration_s": [r["time/iteration"] for r in rows], "median_iteration_s": phases.pop("iteration"),
-            "peak_memory_gb": peaks, "first_iteration_end_s": first_end,
+            "peak_memory_gb": peaks, "first_iteration_end_s": first_end, "first_iteration_s": first,
+            "recompiled_later": recompiled,
             "phases_s": phases, "tokens_per_s": statistics.median(r.get("generation/tokens_per_s", 0) for r in steady),
             "process_wall_s": wall}
 
@@ -345,6 +349,11 @@ def main() -> None:
         print(f"cold compile cache: iteration 1 ends {cold['first_iteration_end_s']:.1f} s after the command "
               f"(iteration 1 {cold['iteration_s'][0]:.1f} s, then {cold['median_iteration_s']:.2f} s); the run below "
               "found the cache warm")
+    for name, run in (("cold", result.get("cold")), ("warm" if "cold" in result else "shardflow", ours)):
+        if run is not None:
+            print(f"{name}: before iteration 1 and compiling in it (s): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in run["first_iteration_s"].items())
+                  + (f"; compiled again later: {', '.join(run['recompiled_later'])}" if run["recompiled_later"] else ""))
     print(f"shardflow: iteration 1 ends {ours['first_iteration_end_s']:.1f} s after the command "
           f"(iteration 1 {ours['iteration_s'][0]:.1f} s); peak device memory per call (GB): "
           + (", ".join(f"{k} {v:.1f}" for k, v in ours["peak_memory_gb"].items()) or "not measured (no GPU)"))

@@ -61,8 +61,18 @@ SUITES: dict[str, tuple[Step, ...]] = {
     # the training step, the shared-prompt training call, the fused log-probabilities
     "train": (
         Step("train_step", 120, "train_step.py", ("--steps", "5"), ("train_step.json",)),
-        Step("shared_prompts", 160, "shared_prompts.py", (), ("shared_prompts.json",)),
+        Step("shared_prompts", 240, "shared_prompts.py", (), ("shared_prompts.json",)),
         Step("token_stats", 60, "token_stats.py", (), ("token_stats.json",)),
+    ),
+    # training attention: each kernel against its FLOPs, then the shared-prompt training call with
+    # each packed kernel (samples as padded rows; the key gather and flash attention's variable-length
+    # kernel) against padded rows, on the two iteration workloads' shapes
+    "packed-attention": (
+        Step("train_attention", 120, "train_attention.py", (), ("train_attention.json",)),
+        Step("shared_prompts", 240, "shared_prompts.py", ("--profile",), ("shared_prompts.json",)),
+        Step("shared_prompts_long", 200, "shared_prompts.py",
+             ("--shape", "qwen3-0.6b", "--prompts", "16", "--samples", "16", "--prompt-tokens", "200",
+              "--response-tokens", "1024", "--skip-parity"), ("shared_prompts.json",)),
     ),
     # memory scale: the paged KV cache against the contiguous one, the offloaded optimizer step
     # against the host link, then the GRPO iteration (actor + reference) of a Qwen3-8B shape on one

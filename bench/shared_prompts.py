@@ -2,22 +2,26 @@
 rows: parity on this device, then the training call's time on the GRPO iteration's shape.
 
     python bench/shared_prompts.py --out runs/bench-shared          # GPU: parity, then Qwen3-1.7B shape
+    python bench/shared_prompts.py --out runs/bench-shared --shape qwen3-0.6b --prompts 16 --samples 16 \
+        --prompt-tokens 200 --response-tokens 1024 --skip-parity   # the small model's long responses
     python bench/shared_prompts.py --out runs/bench-shared --tiny   # any machine: a tiny shape
 
 1. parity: a small random Qwen3 (q/k norms, GQA) computes log-probabilities of prompts with several
    samples of different lengths, and takes one training step, with padded rows and with shared
-   prompts, in the run's dtype (bf16 on GPU, where shared rows use flash attention's variable-length
-   kernel) and in float32 with padded rows as the reference. The shared rows' error against the
-   reference must stay within 1.5x of the padded rows' own (plus a floor of bf16 noise), for the
+   prompts, in the run's dtype (bf16 on GPU, where shared rows run each packed attention kernel:
+   samples as padded rows, and the key gather with flash attention's variable-length kernel)
+   and in float32 with padded rows as the reference. The shared rows' error against the reference
+   must stay within 1.5x of the padded rows' own (plus a floor of bf16 noise), for the
    log-probabilities and for the gradient, and the shared rows must hold fewer tokens; the script
    exits non-zero otherwise.
 2. attention: forward and backward of one layer's attention over one micro-batch of the workload,
-   padded rows (``scaled_dot_product_attention``, causal) against shared rows (the key gather and
-   the variable-length kernel), and the gather alone.
+   padded rows (``scaled_dot_product_attention``, causal) against shared rows under each kernel
+   (and the key gather alone), each against its FLOPs at the matrix rate; on GPU the kernels'
+   outputs and gradients against float32, which must agree within bf16 rounding.
 3. speed: one training step of the GRPO iteration's call (``--prompts`` x ``--samples`` sequences of
-   ``--prompt-tokens`` + ``--response-tokens``), padded and shared, median of ``--steps`` after a
-   warm-up, with the tokens each runs through the layers; with ``--profile`` (GPU), the device
-   time of one shared step by kind of kernel, and its top kernels.
+   ``--prompt-tokens`` + ``--response-tokens``), padded and shared (each kernel), median of
+   ``--steps`` after a warm-up, with the tokens each runs through the layers; with ``--profile``
+   (GPU), the device time of one shared step by kind of kernel, and its top kernels.
 Prints a table and writes ``shared_prompts.json`` to ``--out``.
 """
 
@@ -36,9 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from iteration import SHAPES  # noqa: E402
+from iteration import SHAPES, measure_rates  # noqa: E402
 
-QWEN3_1_7B = SHAPES["qwen3-1.7b"]
 from train_step import kernel_profile  # noqa: E402
 
 from shardflow.config.experiment import OptimConfig  # noqa: E402
@@ -55,7 +58,7 @@ from shardflow.parallel.world import World  # noqa: E402
 
 PARITY_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                     num_key_value_heads=4, head_dim=64, vocab_size=512, tie_word_embeddings=True)
-TINY_SHAPE = {**QWEN3_1_7B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+TINY_SHAPE = {**SHAPES["qwen3-1.7b"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256}
 
 
@@ -103,34 +106,43 @@ def parity(work: Path, device: torch.device, dtype: torch.dtype) -> dict:
                         response_tokens=(1, 100))
     wanted = batch.token_fields["loss_mask"] > 0
 
-    def run(run_dtype: torch.dtype, share: bool):
+    def run(run_dtype: torch.dtype, share: bool, kernel: str = "auto"):
         model, _ = load_model(path, layout, world, dtype=run_dtype)
         logprobs = infer(model, layout, world, batch, "logprobs", micro_batch_tokens=1024, outputs_at="loss_mask",
-                         share_prompts=share).token_fields["logprobs"].float().cpu()
+                         share_prompts=share, attention=kernel).token_fields["logprobs"].float().cpu()
         engine = TrainEngine(model, layout, world, OptimConfig(lr=1e-3, grad_clip=0.0))
-        metrics = engine.step(batch, PolicyLoss(), micro_batch_tokens=1024, share_prompts=share)
+        metrics = engine.step(batch, PolicyLoss(), micro_batch_tokens=1024, share_prompts=share, attention=kernel)
         return logprobs[wanted], engine.grads.flat.float().cpu().clone(), metrics["model_tokens"]
 
     ref_lp, ref_grad, _ = run(torch.float32, False)
     out = {}
-    for name, share in (("padded", False), ("shared", True)):
-        lp, grad, tokens = run(dtype, share)
+    for name, share, kernel in (("padded", False, "auto"), *((f"shared_{k}", True, k) for k in kernels(device))):
+        lp, grad, tokens = run(dtype, share, kernel)
         out[name] = {"logprob_max_abs_err": (lp - ref_lp).abs().max().item(),
                      "grad_rel_err": ((grad - ref_grad).norm() / ref_grad.norm()).item(), "model_tokens": tokens}
     floor = 1e-4 if dtype == torch.float32 else 2e-2  # summation-order noise of each dtype
     errors = ("logprob_max_abs_err", "grad_rel_err")
-    out["ok"] = (all(out["shared"][k] <= 1.5 * out["padded"][k] + floor for k in errors)
-                 and out["shared"]["model_tokens"] < out["padded"]["model_tokens"])  # and rows were shared
+    shared = [name for name in out if name.startswith("shared")]
+    out["ok"] = all(all(out[name][k] <= 1.5 * out["padded"][k] + floor for k in errors)
+                    and out[name]["model_tokens"] < out["padded"]["model_tokens"] for name in shared)  # rows shared
     return out
 
 
+def kernels(device: torch.device) -> tuple[str, ...]:
+    """The packed attention kernels to compare: on CPU every kernel is the same masked attention."""
+    return ("varlen", "rows") if device.type == "cuda" else ("auto",)
+
+
 def attention(device: torch.device, dtype: torch.dtype, shape: dict, args) -> dict:
-    """ms per forward + backward of one layer's attention over the first micro-batch."""
+    """ms per forward + backward of one layer's attention over the first micro-batch, against its
+    FLOPs at the matrix rate; on GPU, each packed kernel's error against float32."""
     n = (args.prompt_tokens, args.prompt_tokens)
     r = (args.response_tokens, args.response_tokens)
     batch = group_batch(shape["vocab_size"], args.prompts, args.samples, n, r, seed=1)
     runs = split_rows(group_by_prompt(batch, "loss_mask"), batch.lengths.tolist(), args.micro_batch_tokens)
-    mb = make_shared_micro_batches(batch, runs[:1], device, outputs_at="loss_mask")[0]
+    mbs = {k: make_shared_micro_batches(batch, runs[:1], device, outputs_at="loss_mask", attention=k)[0]
+           for k in kernels(device)}
+    mb = next(iter(mbs.values()))
     rows, length = len(mb.batch), int(mb.batch.lengths.max())
     h, kv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     tokens = mb.ids.shape[1]
@@ -163,10 +175,31 @@ def attention(device: torch.device, dtype: torch.dtype, shape: dict, args) -> di
     def gather() -> None:
         torch.autograd.backward([gather_keys(t, mb.packed) for t in shared[1:]], key_grads)
 
-    return {"padded_rows": rows, "padded_length": length, "shared_tokens": tokens,
-            "padded_ms": timed(lambda: backward_of(causal_attention(*padded, None))),
-            "shared_ms": timed(lambda: backward_of(packed_attention(*shared, mb.packed))),
-            "gather_ms": timed(gather)}
+    # visible (query, key) pairs: forward 4 FLOPs per pair and head dimension per head, backward 2.5x
+    cu_q, cu_k = mb.packed.cu_q.tolist(), mb.packed.cu_k.tolist()
+    pairs = sum(sum(lk - lq + j + 1 for j in range(lq))
+                for lq, lk in ((cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s]) for s in range(len(cu_q) - 1)))
+    flops = 3.5 * 4 * pairs * h * d
+    rate = measure_rates(device)[1]
+    out = {"padded_rows": rows, "padded_length": length, "shared_tokens": tokens, "pairs": pairs,
+           "flops_ms": 1e3 * flops / rate, "matrix_tflops": rate / 1e12,
+           "padded_ms": timed(lambda: backward_of(causal_attention(*padded, None))),
+           "gather_ms": timed(gather)}
+    for kernel, m in mbs.items():
+        out[f"shared_{kernel}_ms"] = timed(lambda: backward_of(packed_attention(*shared, m.packed)))
+    if device.type == "cuda":  # each kernel against float32 (the padded sequences' masked attention)
+        weights = torch.randn(tokens, h, d, device=device, generator=g)
+        ref = [t.detach().float().requires_grad_() for t in shared]
+        (packed_attention(*ref, mb.packed) * weights).sum().backward()
+        for kernel, m in mbs.items():
+            leaves = [t.detach().requires_grad_() for t in shared]
+            got = packed_attention(*leaves, m.packed)
+            (got.float() * weights).sum().backward()
+            rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()  # noqa: E731
+            out[f"shared_{kernel}_err"] = {"out": rel(got, packed_attention(*ref, mb.packed).detach()),
+                                           "grads": [rel(a.grad, b.grad) for a, b in zip(leaves, ref)]}
+        out["ok"] = all(e <= 2e-2 for k in mbs for e in (out[f"shared_{k}_err"]["out"], *out[f"shared_{k}_err"]["grads"]))
+    return out
 
 
 def speed(work: Path, device: torch.device, dtype: torch.dtype, shape: dict, args) -> dict:
@@ -185,21 +218,23 @@ def speed(work: Path, device: torch.device, dtype: torch.dtype, shape: dict, arg
         model.compile_layers()
     engine = TrainEngine(model, layout, world, OptimConfig(lr=1e-7))
     out = {}
-    for name, share in (("padded", False), ("shared", True)):
+    for name, share, kernel in (("padded", False, "auto"), *((f"shared_{k}", True, k) for k in kernels(device))):
         times, metrics = [], {}
         for _ in range(args.steps + 1):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            metrics = engine.step(batch, PolicyLoss(), micro_batch_tokens=args.micro_batch_tokens, share_prompts=share)
+            metrics = engine.step(batch, PolicyLoss(), micro_batch_tokens=args.micro_batch_tokens, share_prompts=share,
+                                  attention=kernel)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         out[name] = {"step_s": statistics.median(times[1:]), "steps_s": times,
                      "model_tokens": metrics["model_tokens"], "micro_batches": metrics["num_micro_batches"]}
     if args.profile and device.type == "cuda":
-        out["shared"]["profile"] = kernel_profile(
-            lambda: engine.step(batch, PolicyLoss(), micro_batch_tokens=args.micro_batch_tokens, share_prompts=True))
+        out["shared_rows"]["profile"] = kernel_profile(
+            lambda: engine.step(batch, PolicyLoss(), micro_batch_tokens=args.micro_batch_tokens, share_prompts=True,
+                                attention="rows"))
     return out
 
 
@@ -207,6 +242,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -230,34 +266,43 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_parity:
             result["parity"] = parity(Path(tmp), device, dtype)
-        result["attention"] = attention(device, dtype, TINY_SHAPE if args.tiny else QWEN3_1_7B, args)
+        shape = TINY_SHAPE if args.tiny else SHAPES[args.shape]
+        result["attention"] = attention(device, dtype, shape, args)
         (out / "shared_prompts.json").write_text(json.dumps(result, indent=2))
         if not args.skip_speed:
-            result["speed"] = speed(Path(tmp), device, dtype, TINY_SHAPE if args.tiny else QWEN3_1_7B, args)
+            result["speed"] = speed(Path(tmp), device, dtype, shape, args)
     (out / "shared_prompts.json").write_text(json.dumps(result, indent=2))
 
     p = result.get("parity")
     if p is not None:
         print(f"\nparity ({dtype}, against float32 padded rows): "
-              + ", ".join(f"{k} log-prob max err {p[k]['logprob_max_abs_err']:.2e}, grad rel err "
-                          f"{p[k]['grad_rel_err']:.2e}" for k in ("padded", "shared")) + f" -> {'ok' if p['ok'] else 'FAILED'}")
+              + ", ".join(f"{k} log-prob max err {v['logprob_max_abs_err']:.2e}, grad rel err "
+                          f"{v['grad_rel_err']:.2e}" for k, v in p.items() if k != "ok")
+              + f" -> {'ok' if p['ok'] else 'FAILED'}")
     a = result["attention"]
-    print(f"attention of one layer, forward + backward, one micro-batch: padded {a['padded_rows']} x "
-          f"{a['padded_length']} {a['padded_ms']:.3f} ms; shared {a['shared_tokens']} tokens {a['shared_ms']:.3f} ms "
-          f"(of which the key gather {a['gather_ms']:.3f} ms)")
+    print(f"attention of one layer, forward + backward, one micro-batch ({a['shared_tokens']} packed tokens, "
+          f"FLOPs at {a['matrix_tflops']:.0f} TFLOP/s: {a['flops_ms']:.3f} ms): padded {a['padded_rows']} x "
+          f"{a['padded_length']} {a['padded_ms']:.3f} ms; "
+          + "; ".join(f"shared, {k} {a[f'shared_{k}_ms']:.3f} ms ({a[f'shared_{k}_ms'] / a['flops_ms']:.1f}x)"
+                      for k in kernels(device))
+          + f"; the key gather alone {a['gather_ms']:.3f} ms")
+    if "ok" in a:
+        print("  errors against float32 (output, dq, dk, dv): " + "; ".join(
+            f"{k} {a[f'shared_{k}_err']['out']:.1e}, " + ", ".join(f"{e:.1e}" for e in a[f"shared_{k}_err"]["grads"])
+            for k in kernels(device)) + f" -> {'ok' if a['ok'] else 'FAILED'}")
     if "speed" in result:
         print(f"| rows | s/step | tokens through the layers | micro-batches |  ({args.prompts} prompts x "
               f"{args.samples} samples x {args.prompt_tokens}+{args.response_tokens} tokens)")
         print("|---|---:|---:|---:|")
         for name, row in result["speed"].items():
             print(f"| {name} | {row['step_s']:.3f} | {row['model_tokens']:.0f} | {row['micro_batches']:.0f} |")
-        if "profile" in result["speed"]["shared"]:
-            prof = result["speed"]["shared"]["profile"]
+        prof = result["speed"].get("shared_rows", {}).get("profile")
+        if prof is not None:
             kinds = ", ".join(f"{k} {v:.0f} ms" for k, v in sorted(prof["device_ms_by_kind"].items(), key=lambda kv: -kv[1]))
-            print(f"profiled shared step: {prof['wall_ms']:.0f} ms wall; device time: {kinds}")
+            print(f"profiled shared step (rows): {prof['wall_ms']:.0f} ms wall; device time: {kinds}")
             for k in prof["top"]:
                 print(f"    {k['ms']:8.1f} ms x{k['calls']:<5} {k['name']}")
-    if p is not None and not p["ok"]:
+    if (p is not None and not p["ok"]) or not a.get("ok", True):
         sys.exit(1)
 
 

@@ -23,6 +23,7 @@ CASES = {  # script: (arguments, JSON it writes)
     "train_step.py": (["--tiny", "--steps", "2"], "train_step.json"),
     "token_stats.py": (["--tiny"], "token_stats.json"),
     "shared_prompts.py": (["--tiny"], "shared_prompts.json"),
+    "train_attention.py": (["--tiny"], "train_attention.json"),
     "adaptive_tp.py": (["--tiny", "--one-device"], "adaptive_tp.json"),
     "planner_accuracy.py": (["--tiny"], "planner_accuracy.json"),
     "planner.py": (["--gpus", "16", "--time-limit", "2"], "planner.json"),

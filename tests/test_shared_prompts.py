@@ -4,6 +4,8 @@ layout, the attention over it, and inference against transformers under (pp, dp,
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,7 +24,7 @@ from shardflow.engine.shared_prompts import (
     split_rows,
 )
 from shardflow.models.checkpoint import load_model
-from shardflow.models.packed_attention import PackedSequences, gather_keys, packed_attention
+from shardflow.models.packed_attention import PackedSequences, attend_rows, gather_keys, packed_attention
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
 
@@ -131,7 +133,7 @@ def test_key_gather_sums_the_gradients_of_repeated_slots():
     # a prompt [0, 1] read by itself and by two samples [2, 3] and [4]
     kv_index = torch.tensor([0, 1, 0, 1, 2, 3, 0, 1, 4])
     seqs = PackedSequences.build(kv_index, [2, 2, 1], [2, 4, 3])
-    assert seqs.extra_slot.tolist() == [2, 3, 6, 7]
+    assert seqs.keys.extra_slot.tolist() == [2, 3, 6, 7]
     x = torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True)
     grad = torch.randn(9, 2, 3, dtype=torch.float64)
     gather_keys(x, seqs).backward(grad)
@@ -139,6 +141,48 @@ def test_key_gather_sums_the_gradients_of_repeated_slots():
     torch.testing.assert_close(x.grad, want, rtol=1e-14, atol=0)
     with pytest.raises(ValueError, match="every packed token must be a key"):
         PackedSequences.build(torch.tensor([0, 0, 2]), [2, 1], [2, 1])
+
+
+def packed_micro_batch(prompts: int, samples: int, seed: int):
+    batch = make_group_batch(128, prompts=prompts, samples=samples, seed=seed)
+    runs = split_rows(group_by_prompt(batch, "loss_mask"), batch.lengths.tolist(), 1000)
+    (mb,) = make_shared_micro_batches(batch, runs, torch.device("cpu"), outputs_at="loss_mask")
+    return mb
+
+
+def test_rows_hold_each_sample_and_take_each_query_from_one_row():
+    # a prompt [0, 1] read by itself and by two samples [2, 3] and [4]; a lone prompt [5]
+    seqs = PackedSequences.build(torch.tensor([0, 1, 0, 1, 2, 3, 0, 1, 4, 5]), [2, 2, 1, 1], [2, 4, 3, 1])
+    rows = seqs.rows
+    assert rows.length == 4 and rows.gather.index.view(3, 4).tolist() == [[0, 1, 2, 3], [0, 1, 4, 0], [5, 0, 0, 0]]
+    # the prompt's queries ride in its first sample's row; every other query sits at its own key slot
+    assert rows.query_slot.tolist() == [0, 1, 2, 3, 6, 8]
+    assert rows.pairs == 3 * 10 and seqs.pairs == 3 + 7 + 3 + 1
+    assert seqs.use_rows(torch.device("cpu")) is False  # auto: no cuDNN kernel here
+    # keys whose last slots are not the sequence's own queries have no rows
+    assert PackedSequences.build(torch.tensor([0, 1, 2, 0, 1]), [2, 1], [2, 3]).rows is None
+    with pytest.raises(ValueError, match="the rows kernel needs sequences whose last keys are their own queries"):
+        PackedSequences.build(torch.tensor([0, 1, 2, 0, 1]), [2, 1], [2, 3], kernel="rows")
+    with pytest.raises(ValueError, match="unknown packed attention kernel 'fast'"):
+        PackedSequences.build(torch.arange(3), [3], [3], kernel="fast")
+
+
+def test_rows_kernel_equals_the_masked_attention_with_its_gradients():
+    """The rows kernel (samples of uneven lengths as padded rows, prompts' queries taken from a
+    sample's row) gives the masked attention's outputs and gradients, float64."""
+    seqs = packed_micro_batch(prompts=4, samples=3, seed=5).packed
+    assert seqs.rows.gather.index.numel() > seqs.rows.query_slot.numel()  # padding and repeated prompts
+    n = len(seqs.rows.query_slot)
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(n, heads, 8, generator=g, dtype=torch.float64, requires_grad=True) for heads in (4, 2, 2)]
+    weights = torch.randn(n, 4, 8, generator=g, dtype=torch.float64)
+    (packed_attention(*qkv, seqs) * weights).sum().backward()
+    leaves = [t.detach().requires_grad_() for t in qkv]
+    out = attend_rows(*leaves, seqs.rows)
+    (out * weights).sum().backward()
+    torch.testing.assert_close(out, packed_attention(*qkv, seqs), rtol=1e-12, atol=1e-12)
+    for got, want in zip(leaves, qkv):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12)
 
 
 INFER_LAYOUTS = ["d1p1t1@0", "d1p2t2@0-3", "d2p1t1@0-1"]

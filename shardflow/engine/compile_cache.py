@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch._dynamo.utils
 
 
 def use_compile_cache(directory: str) -> Path | None:
@@ -30,3 +31,10 @@ def use_compile_cache(directory: str) -> Path | None:
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
     return root
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling so far (dynamo's frames and the backward graphs
+    AOTAutograd compiles), by torch's own timers; 0.0 where this torch keeps none."""
+    spent = getattr(torch._dynamo.utils, "calculate_time_spent", None)  # private: a torch may lack it
+    return float(spent().get("total_wall_time", 0.0)) if spent is not None else 0.0

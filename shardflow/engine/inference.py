@@ -22,12 +22,13 @@ from shardflow.parallel.world import World
 @torch.no_grad()
 def infer(model: Transformer, layout: Layout, world: World, batch: SequenceBatch, what: str, *,
           micro_batch_tokens: int, temperature: float = 1.0, outputs_at: str | None = None,
-          share_prompts: bool = False) -> SequenceBatch | None:
+          share_prompts: bool = False, attention: str = "auto") -> SequenceBatch | None:
     """``batch`` with a new packed float32 token field ``what`` ("logprobs" or "entropy" for a
     language model, "values" for a value model), aligned as the conventions say, on the last
     stage; None on other stages. ``temperature`` divides the logits (as in sampling).
     ``outputs_at``: a token field of ``batch`` whose nonzero tokens alone get outputs (0 elsewhere).
-    ``share_prompts``: the samples of a prompt hold one copy of it (see ``engine.shared_prompts``)."""
+    ``share_prompts``: the samples of a prompt hold one copy of it (see ``engine.shared_prompts``),
+    attended by the ``attention`` kernel (``models.packed_attention``)."""
     check_outputs(model, (what,))
     if model.shard.layout != layout or model.shard.rank != world.rank:
         raise ValueError(f"the model was built for rank {model.shard.rank} of {model.shard.layout}, "
@@ -45,7 +46,7 @@ def infer(model: Transformer, layout: Layout, world: World, batch: SequenceBatch
     needed = SequenceBatch(batch.sample_ids, batch.lengths, {k: batch.token_fields[k] for k in fields})
     groups, micro = plan_micro_batches(  # no other field goes to the device
         needed, micro_batch_tokens, device, min_micro_batches=layout.pp, outputs_at=outputs_at,
-        share_prompts=share_prompts and not model.has_sliding_windows)
+        share_prompts=share_prompts and not model.has_sliding_windows, attention=attention)
     results: list[torch.Tensor] = []  # packed output of each micro-batch (last stage)
 
     def forward_step(i: int, x: torch.Tensor | None) -> torch.Tensor | None:

@@ -24,11 +24,12 @@ from shardflow.perf.sharing import MIN_SAVING
 
 
 def plan_micro_batches(batch: SequenceBatch, max_tokens: int, device: torch.device, *, min_micro_batches: int = 1,
-                       outputs_at: str | None = None, share_prompts: bool = False,
+                       outputs_at: str | None = None, share_prompts: bool = False, attention: str = "auto",
                        ) -> tuple[list[list[int]], list[MicroBatch]]:
     """The batch's samples (indices) in each micro-batch, and the micro-batches on ``device``:
     prompts shared when asked (which needs ``outputs_at``) and when that saves at least
-    ``MIN_SAVING`` of the padded rows' tokens, else padded rows (``micro_batches``)."""
+    ``MIN_SAVING`` of the padded rows' tokens, else padded rows (``micro_batches``). ``attention``:
+    the shared rows' kernel (``models.packed_attention``)."""
     lengths = batch.lengths.tolist()
     groups = split_by_tokens(lengths, max_tokens, min_micro_batches=min_micro_batches)
     if share_prompts and outputs_at is not None:
@@ -38,8 +39,8 @@ def plan_micro_batches(batch: SequenceBatch, max_tokens: int, device: torch.devi
             shared = sum(row.tokens(lengths) for run in runs for row in run)
             padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
             if shared <= (1 - MIN_SAVING) * padded:
-                return [samples_of(run) for run in runs], make_shared_micro_batches(batch, runs, device,
-                                                                                   outputs_at=outputs_at)
+                return [samples_of(run) for run in runs], make_shared_micro_batches(
+                    batch, runs, device, outputs_at=outputs_at, attention=attention)
     return groups, make_micro_batches(batch, groups, device, outputs_at=outputs_at)
 
 
@@ -118,9 +119,9 @@ def split_rows(rows: list[SharedRow], lengths: list[int], max_tokens: int, *,
 
 
 def make_shared_micro_batches(batch: SequenceBatch, runs: list[list[SharedRow]], device: torch.device, *,
-                              outputs_at: str) -> list[MicroBatch]:
+                              outputs_at: str, attention: str = "auto") -> list[MicroBatch]:
     """One packed row [1, T] per micro-batch; its sequences are the rows' samples in order."""
-    return [_shared_micro_batch(batch, run, device, outputs_at) for run in runs]
+    return [_shared_micro_batch(batch, run, device, outputs_at, attention) for run in runs]
 
 
 def samples_of(run: list[SharedRow]) -> list[int]:
@@ -128,7 +129,7 @@ def samples_of(run: list[SharedRow]) -> list[int]:
 
 
 def _shared_micro_batch(batch: SequenceBatch, run: list[SharedRow], device: torch.device,
-                        outputs_at: str) -> MicroBatch:
+                        outputs_at: str, attention: str) -> MicroBatch:
     mb = batch.select(samples_of(run))
     ids = mb.token_fields["input_ids"].cpu()
     offsets, lengths = mb.offsets.tolist(), mb.lengths.tolist()
@@ -160,7 +161,7 @@ def _shared_micro_batch(batch: SequenceBatch, run: list[SharedRow], device: torc
     keep = (mb.token_fields[outputs_at].cpu() > 0) & (col > 0)
     if not keep.any():  # outputs at every token but the firsts, zero-weighted by the same field
         keep = col > 0
-    packed = PackedSequences.build(torch.cat(kv), q_lens, k_lens)
+    packed = PackedSequences.build(torch.cat(kv), q_lens, k_lens, kernel=attention)
     return MicroBatch(
         batch=mb.to(device),
         ids=torch.cat(row_ids)[None].to(device),

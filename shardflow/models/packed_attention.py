@@ -9,8 +9,19 @@ ends: the query at offset ``j`` of a sequence of ``len_q`` sees keys at offsets 
 query exactly once and sees exactly the tokens, at the same positions, that it sees in its
 unshared sequence.
 
-On CUDA in half precision this is flash attention's variable-length kernel; elsewhere (CPU, float32)
-one ``scaled_dot_product_attention`` over the sequences padded to the longest, with a mask.
+Kernels (``kernel`` of ``PackedSequences``), on CUDA in half precision:
+- ``rows``: each sample becomes one row of its key tokens (its prompt, then its own tokens), the
+  rows padded to the longest, and one causal ``scaled_dot_product_attention`` runs over them
+  (cuDNN's fused kernel on Hopper, about twice as fast there as flash attention's variable-length
+  one: ``bench/train_attention.py``); each packed token's output is taken from the row holding its
+  query, a prompt's from the row of one of its samples. A prompt's queries are computed again in
+  each of its samples' rows (p^2/2 pairs against a sample's n^2/2), and padding costs its pairs.
+- ``varlen``: the keys gathered per sequence (a prompt's once per sample), then flash attention's
+  variable-length kernel: no padding, nothing computed twice.
+- ``auto``: ``rows`` where attention runs cuDNN's kernel (compute capability 9.0 and up) and the
+  rows' padded pairs are at most ``ROWS_SPEEDUP`` times the sequences' own, else ``varlen``.
+Elsewhere (CPU, float32) every kernel is one masked ``scaled_dot_product_attention`` over the
+sequences padded to the longest.
 """
 
 from __future__ import annotations
@@ -22,62 +33,186 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+KERNELS = ("auto", "rows", "varlen")
+# cuDNN's causal attention over padded rows against flash attention's variable-length kernel over
+# the same sequences, forward + backward on an H200 (bench/train_attention.py, Qwen3 heads):
+# 1.9x on the GRPO iteration's micro-batch, 1.85x on 1224-token sequences. Rows win while their
+# padding costs less than that.
+ROWS_SPEEDUP = 1.8
+
 
 @dataclass(frozen=True)
-class PackedSequences:
-    kv_index: torch.Tensor  # [N_kv] int64: packed token of each key slot, sequence after sequence
-    cu_q: torch.Tensor  # [S+1] int32: query sequence starts in the packed tokens
-    cu_k: torch.Tensor  # [S+1] int32: key sequence starts in kv_index
-    max_q: int  # longest query sequence
-    max_k: int  # longest key sequence
-    # The key gather's backward, without atomics over every slot: each token takes the gradient of
-    # its first slot, then the few repeated slots (a shared prompt's, once per sample) are added.
-    first_slot: torch.Tensor  # [N] int64: the first key slot of each packed token
-    extra_slot: torch.Tensor  # [N_kv - N] int64: every other key slot...
-    extra_token: torch.Tensor  # [N_kv - N] int64: ...and its token
+class Gather:
+    """``x[index]`` for packed tokens ``x`` [N, ...], whose backward gathers each token's gradient
+    from its first slot and adds the few repeated slots (a shared prompt's, once per sample)
+    instead of atomics over every slot."""
+
+    index: torch.Tensor  # [M] int64: the packed token of each slot
+    first_slot: torch.Tensor  # [N] int64: the first slot of each packed token
+    extra_slot: torch.Tensor  # [M - N] int64: every other slot...
+    extra_token: torch.Tensor  # [M - N] int64: ...and its token
 
     @classmethod
-    def build(cls, kv_index: torch.Tensor, q_lens: list[int], k_lens: list[int]) -> "PackedSequences":
-        """From the key slots' tokens and the sequences' query and key lengths (host values)."""
-        cumsum = lambda n: torch.tensor([0, *n], dtype=torch.int32).cumsum(0, dtype=torch.int32)  # noqa: E731
-        tokens, slots = sum(q_lens), torch.arange(len(kv_index))
-        first = torch.full((tokens,), len(kv_index), dtype=torch.long)
-        first.scatter_reduce_(0, kv_index, slots, "amin")
-        if len(kv_index) and (first == len(kv_index)).any():
+    def build(cls, index: torch.Tensor, tokens: int) -> "Gather":
+        slots = torch.arange(len(index))
+        first = torch.full((tokens,), len(index), dtype=torch.long)
+        first.scatter_reduce_(0, index, slots, "amin")
+        if len(index) and (first == len(index)).any():
             raise ValueError("every packed token must be a key of some sequence (its own is enough)")
-        extra = slots[first[kv_index] != slots]
-        return cls(kv_index, cumsum(q_lens), cumsum(k_lens), max(q_lens), max(k_lens), first, extra, kv_index[extra])
+        extra = slots[first[index] != slots]
+        return cls(index, first, extra, index[extra])
 
-    def to(self, device: torch.device | str) -> "PackedSequences":
-        move = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
-        return PackedSequences(**move)
+    def to(self, device: torch.device | str) -> "Gather":
+        return Gather(*(t.to(device) for t in (self.index, self.first_slot, self.extra_slot, self.extra_token)))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _Gather.apply(x, self)
 
 
-class _GatherKeys(torch.autograd.Function):
+class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
-        ctx.seqs = seqs
-        return x.index_select(0, seqs.kv_index)
+    def forward(ctx, x: torch.Tensor, gather: Gather) -> torch.Tensor:
+        ctx.gather = gather
+        return x.index_select(0, gather.index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        seqs = ctx.seqs
-        out = grad.index_select(0, seqs.first_slot)
-        return out.index_add_(0, seqs.extra_token, grad.index_select(0, seqs.extra_slot)), None
+        g = ctx.gather
+        out = grad.index_select(0, g.first_slot)
+        return out.index_add_(0, g.extra_token, grad.index_select(0, g.extra_slot)), None
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The sequences as rows of their key tokens for the ``rows`` kernel: ``gather`` makes the
+    [R * length] row slots (padding after each row's tokens reads token 0, seen by no real query),
+    ``query_slot`` is the slot holding each packed token's query."""
+
+    gather: Gather
+    length: int
+    query_slot: torch.Tensor  # [N] int64
+    pairs: int  # causal (query, key) pairs the padded rows compute
+
+    @classmethod
+    def build(cls, kv_index: torch.Tensor, q_lens: list[int], k_lens: list[int]) -> "Rows | None":
+        """None unless each sequence's last key slots are its own queries, in order."""
+        cu_q = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+        cu_k = [0, *torch.tensor(k_lens).cumsum(0).tolist()]
+        keys = [kv_index[cu_k[s]:cu_k[s + 1]] for s in range(len(q_lens))]
+        for s, (lq, lk) in enumerate(zip(q_lens, k_lens)):
+            if lk < lq or not torch.equal(keys[s][lk - lq:], torch.arange(cu_q[s], cu_q[s] + lq)):
+                return None
+        # A sequence without a prefix (a prompt) rides in the row of one that begins with its tokens.
+        starting = {}
+        for s, (lq, lk) in enumerate(zip(q_lens, k_lens)):
+            if lk > lq:
+                starting.setdefault(int(keys[s][0]), []).append(s)
+        host = {}
+        for s, (lq, lk) in enumerate(zip(q_lens, k_lens)):
+            if lk == lq:
+                host[s] = next((t for t in starting.get(cu_q[s], []) if k_lens[t] >= lq
+                                and torch.equal(keys[t][:lq], keys[s])), s)
+        rows = [s for s in range(len(q_lens)) if host.get(s, s) == s]
+        row_of = {s: r for r, s in enumerate(rows)}
+        length = max(k_lens[s] for s in rows)
+        index = torch.zeros(len(rows), length, dtype=torch.long)
+        for r, s in enumerate(rows):
+            index[r, :k_lens[s]] = keys[s]
+        query_slot = torch.empty(cu_q[-1], dtype=torch.long)
+        for s, (lq, lk) in enumerate(zip(q_lens, k_lens)):
+            r = row_of[host.get(s, s)]
+            at = r * length + (lk - lq if host.get(s, s) == s else 0)
+            query_slot[cu_q[s]:cu_q[s] + lq] = torch.arange(at, at + lq)
+        return cls(Gather.build(index.flatten(), cu_q[-1]), length, query_slot,
+                   len(rows) * length * (length + 1) // 2)
+
+    def to(self, device: torch.device | str) -> "Rows":
+        return Rows(self.gather.to(device), self.length, self.query_slot.to(device), self.pairs)
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    keys: Gather  # [N_kv] key slots, sequence after sequence
+    cu_q: torch.Tensor  # [S+1] int32: query sequence starts in the packed tokens
+    cu_k: torch.Tensor  # [S+1] int32: key sequence starts in the key slots
+    max_q: int  # longest query sequence
+    max_k: int  # longest key sequence
+    pairs: int  # (query, key) pairs the sequences attend to
+    rows: Rows | None  # the sequences as rows (kernel ``rows``), where they allow it
+    kernel: str = "auto"  # see the module's note
+
+    @classmethod
+    def build(cls, kv_index: torch.Tensor, q_lens: list[int], k_lens: list[int], *,
+              kernel: str = "auto") -> "PackedSequences":
+        """From the key slots' tokens and the sequences' query and key lengths (host values)."""
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown packed attention kernel {kernel!r}; one of {', '.join(KERNELS)}")
+        cumsum = lambda n: torch.tensor([0, *n], dtype=torch.int32).cumsum(0, dtype=torch.int32)  # noqa: E731
+        pairs = sum(lq * (lk - lq) + lq * (lq + 1) // 2 for lq, lk in zip(q_lens, k_lens))
+        rows = Rows.build(kv_index, q_lens, k_lens)
+        if kernel == "rows" and rows is None:
+            raise ValueError("the rows kernel needs sequences whose last keys are their own queries")
+        return cls(Gather.build(kv_index, sum(q_lens)), cumsum(q_lens), cumsum(k_lens), max(q_lens), max(k_lens),
+                   pairs, rows, kernel)
+
+    @property
+    def kv_index(self) -> torch.Tensor:
+        return self.keys.index
+
+    def to(self, device: torch.device | str) -> "PackedSequences":
+        return PackedSequences(self.keys.to(device), self.cu_q.to(device), self.cu_k.to(device), self.max_q,
+                               self.max_k, self.pairs, self.rows.to(device) if self.rows is not None else None,
+                               self.kernel)
+
+    def use_rows(self, device: torch.device) -> bool:
+        """Whether the ``rows`` kernel runs (see the module's note)."""
+        if self.kernel != "auto":
+            return self.kernel == "rows"
+        return (self.rows is not None and self.rows.pairs <= ROWS_SPEEDUP * self.pairs
+                and _cudnn_attention(device))
 
 
 def gather_keys(x: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
     """[N,...] packed tokens -> [N_kv,...] key slots, sequence after sequence."""
-    return _GatherKeys.apply(x, seqs)
+    return seqs.keys(x)
 
 
 @torch.compiler.disable  # its sizes are Python ints that change per micro-batch: keep them out of graphs
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
     """q [N,h,d], k and v [N,k,d] (packed tokens) -> [N,h,d]."""
-    k, v = gather_keys(k, seqs), gather_keys(v, seqs)  # [N_kv,k,d]
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        return _flash_varlen(q, k, v, seqs)
-    return _padded_sequences(q, k, v, seqs)
+        if seqs.use_rows(q.device):
+            return attend_rows(q, k, v, seqs.rows)
+        return _flash_varlen(q, seqs.keys(k), seqs.keys(v), seqs)
+    return _padded_sequences(q, seqs.keys(k), seqs.keys(v), seqs)
+
+
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """The ``rows`` kernel: q [N,h,d], k and v [N,k,d] -> [N,h,d]."""
+    qs, ks, vs = (rows.gather(t).unflatten(0, (-1, rows.length)).transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return _Select.apply(out.transpose(1, 2).flatten(0, 1), rows.query_slot)  # [R*L,h,d] -> [N,h,d]
+
+
+class _Select(torch.autograd.Function):
+    """``x[slots]`` for distinct ``slots``: backward writes each gradient to its slot (a copy,
+    where ``index_select``'s backward adds with atomics)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        ctx.rows, ctx.slots = x.shape[0], slots
+        return x.index_select(0, slots)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_copy_(0, ctx.slots, grad), None
+
+
+@lru_cache(maxsize=None)
+def _cudnn_attention(device: torch.device) -> bool:
+    """Whether causal attention on ``device`` runs cuDNN's fused kernel (Hopper and later)."""
+    return (device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled()
+            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 def _flash_varlen(q, k, v, seqs: PackedSequences) -> torch.Tensor:

@@ -32,7 +32,7 @@ from shardflow.data.batch import SequenceBatch
 from shardflow.data.prompts import PromptSampler, completion_batch
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
 from shardflow.engine.adaptive.trace import GenerationTrace, plot_trace
-from shardflow.engine.compile_cache import use_compile_cache
+from shardflow.engine.compile_cache import compile_seconds, use_compile_cache
 from shardflow.models.checkpoint import save_checkpoint
 from shardflow.parallel.world import World
 from shardflow.rl.advantages import KLController
@@ -74,6 +74,7 @@ class Run:
     """One rank's view of a training run."""
 
     def __init__(self, world: World, prepared: Prepared):
+        started = time.time()
         self.world, self.prepared = world, prepared
         self.config, self.graph, self.plan = prepared.config, prepared.graph, prepared.plan
         config = self.config
@@ -105,6 +106,7 @@ class Run:
             self.slots[role] = ModelSlot.load(world, role, spec, prepared.models[role], home, trained=train is not None)
         if resume_dir is not None:
             self._restore(resume_dir)
+        self.setup_seconds = time.time() - started  # reported with the first iteration
 
     # ----- one iteration -------------------------------------------------------------------------
 
@@ -141,7 +143,7 @@ class Run:
         cuda = world.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(world.device)
-        start = time.time()
+        start, compiled = time.time(), compile_seconds()
         if kind.uses_model:
             layout, slot = self.plan[call.name].layout, self.slots[call.model]
             model = slot.model_for(layout)
@@ -159,6 +161,8 @@ class Run:
             slot.done_with(layout)
         if world.rank in layout:
             report.span = (start, time.time())
+        if compile_seconds() > compiled:  # torch.compile at work inside the call (first use, or a recompile)
+            report.metrics[f"time/compile/{call.name}"] = compile_seconds() - compiled
         if cuda:  # the most device memory that tensors held during the call, on this rank
             report.metrics[f"memory/{call.name}/peak_gb"] = torch.cuda.max_memory_allocated(world.device) / 1e9
         if round > 0:
@@ -384,6 +388,8 @@ def _train(run: "Run") -> None:
     last = None
     for it in bar:
         summary = run.iteration(it)
+        if it == run.start_iteration + 1:  # this process's first: what came before it (models loaded, groups)
+            summary["time/setup"] = run.setup_seconds
         if evaluating and (it == config.run.iterations or (config.eval.every and it % config.eval.every == 0)):
             summary.update(run.evaluate(it))
         last = summary

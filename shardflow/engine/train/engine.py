@@ -116,10 +116,11 @@ class TrainEngine:
     # ----- one step ----------------------------------------------------------------------
 
     def step(self, batch: SequenceBatch, loss_fn: LossFn, *, micro_batch_tokens: int,
-             temperature: float = 1.0, share_prompts: bool = False) -> dict[str, float]:
+             temperature: float = 1.0, share_prompts: bool = False, attention: str = "auto") -> dict[str, float]:
         """Forward, backward and one optimizer update over this replica's share ``batch``.
         ``share_prompts``: the samples of a prompt hold one copy of it (``engine.shared_prompts``;
-        the same update, less work), unless the model has sliding-window layers.
+        the same update, less work), unless the model has sliding-window layers; ``attention``: the
+        kernel of such rows (``models.packed_attention``).
 
         Returns metrics: the loss and the loss's stats summed over micro-batches and replicas
         (on the last stage's ranks only), ``grad_norm`` (before clipping), ``lr``,
@@ -132,7 +133,8 @@ class TrainEngine:
         wanted = "loss_mask" if "loss_mask" in batch.token_fields else None
         _, micro = plan_micro_batches(batch, micro_batch_tokens, self.device, min_micro_batches=self.layout.pp,
                                       outputs_at=wanted,
-                                      share_prompts=share_prompts and not self.model.has_sliding_windows)
+                                      share_prompts=share_prompts and not self.model.has_sliding_windows,
+                                      attention=attention)
         normalizer = self._global_normalizer(loss_fn.normalizer(batch))
 
         names = VALUE_OUTPUTS if self.cfg.value_head else LM_OUTPUTS

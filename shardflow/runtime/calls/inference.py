@@ -36,7 +36,7 @@ def _per_token(ctx: CallContext, what: str, key: str) -> SequenceBatch | None:
                 micro_batch_tokens=token_budget(batch, algo.micro_batch_tokens, ctx.micro_batches),
                 temperature=lm_temperature(ctx) if what == "logprobs" else 1.0,
                 outputs_at="loss_mask",  # the losses and advantages read response tokens only
-                share_prompts=algo.share_prompts)
+                share_prompts=algo.share_prompts, attention=algo.packed_attention)
     if out is None or not is_holder(ctx.layout, ctx.world.rank):
         return None
     return SequenceBatch(batch.sample_ids, batch.lengths, {key: out.token_fields[what].float().cpu()})

@@ -46,7 +46,7 @@ def run_train(ctx: CallContext) -> SequenceBatch | None:
             mini = batch.select(part)
             budget = token_budget(mini, algo.micro_batch_tokens, ctx.micro_batches)
             metrics = engine.step(mini, loss_fn, micro_batch_tokens=budget, temperature=temperature,
-                                  share_prompts=algo.share_prompts)
+                                  share_prompts=algo.share_prompts, attention=algo.packed_attention)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
             steps += 1
