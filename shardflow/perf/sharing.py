@@ -6,8 +6,8 @@ Several samples of one prompt (GRPO's groups) hold its tokens once:
   of its samples (``engine.generate.decode_attention``);
 - inference and training pack a prompt once for all its samples in one row, where that saves at
   least ``MIN_SAVING`` of the padded rows' tokens (``engine.shared_prompts``): packed rows pay for
-  the tokens they save with a slower attention (the key gather, and on GPUs the variable-length
-  flash kernel), so a small saving is not worth it.
+  the tokens they save with gathers around attention (``models.packed_attention``), so a small
+  saving is not worth it.
 
 The planner's cost model charges what these rules make the engine do.
 """
