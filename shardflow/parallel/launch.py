@@ -47,8 +47,10 @@ def launch(entry: Entry, nprocs: int, *args: Any, backend: str | None = None,
     ``log_dir``, see ``parallel.logs``).
 
     Under torchrun this process is one rank of the existing job (``nprocs`` must match its
-    world size) and the entry's result is returned. Otherwise ``nprocs`` ranks are spawned and
-    rank 0's result is not returned (each rank reports for itself).
+    world size) and the entry's result is returned. A job of one rank runs in this process (no
+    second interpreter to start and import everything into again: seconds of every run's start)
+    and its result is returned. Otherwise ``nprocs`` ranks are spawned and rank 0's result is not
+    returned (each rank reports for itself).
     """
     if under_torchrun():
         size = int(os.environ["WORLD_SIZE"])
@@ -64,6 +66,8 @@ def launch(entry: Entry, nprocs: int, *args: Any, backend: str | None = None,
         if torch.cuda.device_count() < nprocs:
             raise ValueError(f"the job needs {nprocs} GPUs but this machine has {torch.cuda.device_count()}")
     init_method = f"tcp://127.0.0.1:{free_port()}"
+    if nprocs == 1:
+        return _in_process(entry, init_method, backend, args, log_dir)
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     procs = [ctx.Process(target=_rank_main, args=(rank, entry, nprocs, init_method, backend, args, errors,
@@ -159,6 +163,20 @@ def _rank_main(rank: int, entry: Entry, size: int, init_method: str, backend: st
     finally:
         sys.stdout.flush()
     _teardown()
+
+
+def _in_process(entry: Entry, init_method: str, backend: str | None, args: tuple,
+                log_dir: str | Path | None) -> Any:
+    """The one rank of a job, here; its failure reads as a spawned rank's would."""
+    setup_logging(current_level(), rank=0, log_dir=log_dir)
+    world = init_world(0, 1, init_method, backend)
+    try:
+        result = entry(world, *args)
+    except Exception as e:  # noqa: BLE001 - the job's failure, with its traceback (Ctrl-C passes as it is)
+        raise RankFailed(f"rank 0 failed:\n{traceback.format_exc()}") from e
+    finally:
+        _teardown()
+    return result
 
 
 def _teardown() -> None:
