@@ -161,8 +161,9 @@ class Run:
             slot.done_with(layout)
         if world.rank in layout:
             report.span = (start, time.time())
-        if compile_seconds() > compiled:  # torch.compile at work inside the call (first use, or a recompile)
-            report.metrics[f"time/compile/{call.name}"] = compile_seconds() - compiled
+        compiled = compile_seconds() - compiled
+        if compiled > 0:  # torch.compile at work inside the call (first use, or a recompile)
+            report.metrics[f"time/compile/{call.name}"] = compiled
         if cuda:  # the most device memory that tensors held during the call, on this rank
             report.metrics[f"memory/{call.name}/peak_gb"] = torch.cuda.max_memory_allocated(world.device) / 1e9
         if round > 0:
