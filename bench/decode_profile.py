@@ -122,7 +122,7 @@ def linear_sweep(device, cfg, dtype) -> list[dict]:
 
 
 def kernel_profile(model, device, batch: int, context: int, compile: bool, temperature: float,
-                   samples: int = 1, prompt: int | None = None) -> dict:
+                   samples: int = 1, prompt: int | None = None, kv_block_size: int | None = None) -> dict:
     """Top kernels of 10 decode steps at ``batch`` rows and ``context`` positions: ``batch /
     samples`` prompts of ``prompt`` tokens (default ``context``) with ``samples`` samples each
     (one prefill per prompt, as GRPO groups have), decoded up to ``context`` before profiling.
@@ -139,7 +139,7 @@ def kernel_profile(model, device, batch: int, context: int, compile: bool, tempe
 
     def engine_at_context(graphs: bool) -> GenerationEngine:
         engine = GenerationEngine(model, EngineConfig(max_seq_len=context + 64, max_batch_size=batch, cuda_graphs=graphs,
-                                            compile=compile), eos_token_ids=[])
+                                                      compile=compile, kv_block_size=kv_block_size), eos_token_ids=[])
         engine.submit(make_requests(prompts, params, samples_per_prompt=samples))
         for _ in range(warm):
             engine.step()
@@ -218,6 +218,8 @@ def main() -> None:
     parser.add_argument("--profile-only", action="store_true",
                         help="only the kernel profile: no projection sweep, no sampler")
     parser.add_argument("--model", choices=("llama-3.1-8b", "qwen3-1.7b"), default="llama-3.1-8b")
+    parser.add_argument("--kv-block-size", type=int, default=0,
+                        help="profile the engine with a paged KV cache of blocks of this many tokens (0: contiguous)")
     parser.add_argument("--profile-cases", default="1x1024,64x1024",
                         help="batch x context cases of the kernel profile, comma-separated")
     parser.add_argument("--samples-per-prompt", type=int, default=1,
@@ -251,7 +253,8 @@ def main() -> None:
             key = f"b{b}_ctx{c}_{'compiled' if comp else 'eager'}"
             try:
                 result["profile"][key] = kernel_profile(model, device, b, c, comp, args.temperature,
-                                                            args.samples_per_prompt, args.prompt_tokens)
+                                                            args.samples_per_prompt, args.prompt_tokens,
+                                                            args.kv_block_size or None)
             except Exception as e:  # noqa: BLE001 - keep the other measurements
                 result["profile"][key] = dict(kernels=[], error=f"{type(e).__name__}: {e}"[:300])
             (out / "decode_profile.json").write_text(json.dumps(result, indent=2))  # kept if cut short

@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from gen_helpers import hf_greedy, hf_logprobs, local_model, prompts
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from shardflow.config.model import ModelConfig
 from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
 from shardflow.engine.generate.kv_cache import KVCache, bytes_per_slot
 from shardflow.engine.generate.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
+from shardflow.engine.generate.steps import decode_layer
 from shardflow.models.transformer import build_model
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for
@@ -238,3 +240,25 @@ def test_blas_library_is_checked_before_work_starts(checkpoints):
     model = local_model(checkpoints.get("llama", "llama"))
     with pytest.raises(ValueError, match="blas_library 'cublaslt' needs a CUDA device; the model is on cpu"):
         GenerationEngine(model, EngineConfig(max_seq_len=32, blas_library="cublaslt"))
+
+
+def test_compiled_decode_layer_matches_transformers_and_compiles_once_for_all_layers(checkpoints):
+    """``compile``: the decode step's layers run through one compiled function, traced once for
+    every layer (not once per layer, nor the whole unrolled stack), and greedy decoding still
+    gives transformers' tokens (Qwen3: q/k norms, tied head; a paged cache, shared prompt blocks)."""
+    path = checkpoints.get("qwen3_qknorm", "qwen3", tie_word_embeddings=True)
+    model = local_model(path)
+    assert len(model.model.layers) > 1
+    prompt = prompts()[2]
+    expected = hf_greedy(path, prompt, 6, eos=None)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    config = EngineConfig(max_seq_len=48, max_batch_size=4, compile=True, kv_block_size=16)
+    engine = GenerationEngine(model, config)
+    requests = engine.generate(make_requests([prompt], SamplingParams(max_new_tokens=6, **GREEDY), 3))
+    assert all(r.output_ids == expected for r in requests)
+    # one batch size: one graph, of one layer (the whole stack or a graph per layer would differ)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert len(_debug_get_cache_entry_list(decode_layer.__code__)) == 1
+    torch._dynamo.reset()

@@ -11,6 +11,7 @@ V local vocabulary rows.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Callable
@@ -54,9 +55,14 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 # generation engine installs copies laid out for decoding (``engine.generate.decode_weights``).
 Product = Callable[[torch.Tensor], torch.Tensor]
 
-# attend(layer_index, q [B,h,T,d], k [B,k,T,d], v [B,k,T,d]) -> [B,h,T,d]. The generation engine
-# passes one that reads and writes its KV cache; None means plain causal self-attention.
-AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# attend(q [B,h,T,d], k [B,k,T,d], v [B,k,T,d]) -> [B,h,T,d], one layer's attention; None means
+# plain causal self-attention. It takes no layer index: a compiled layer then serves every layer.
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# The same for any layer, its index first: what the generation engine passes to ``forward`` (one
+# that reads and writes its KV cache).
+LayerAttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# run_layer(layer_index, layer, h [B,T,H], cos, sin) -> h: a caller's own way of running each layer
+RunLayerFn = Callable[[int, "DecoderLayer", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -93,7 +99,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: RankShard, layer: int, group: ProcessGroup | None):
         super().__init__()
         H, d = cfg.hidden_size, cfg.head_dim
-        self.layer, self.group = layer, group
+        self.group = group
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, d
         self.window = cfg.sliding_windows[layer]
         self.q_proj = nn.Linear(H, shard.num_heads * d, bias=cfg.qkv_bias)
@@ -132,7 +138,7 @@ class Attention(nn.Module):
         if attend is None:
             out = causal_attention(q, k, v, self.window)
         else:
-            out = attend(self.layer, q, k, v)
+            out = attend(q, k, v)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
@@ -210,12 +216,13 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: AttendFn | None = None,
-                packed: PackedSequences | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: LayerAttendFn | None = None,
+                packed: PackedSequences | None = None, run_layer: RunLayerFn | None = None) -> torch.Tensor:
         """First stage: token ids [B,T]; later stages: hidden states [B,T,H] from the previous
         stage. Returns hidden states [B,T,H], normed on the last stage. ``packed``: the one row
         (B = 1) holds sequences whose attention reads the key tokens it names, instead of causal
-        self-attention per row (see ``models.packed_attention``)."""
+        self-attention per row (see ``models.packed_attention``). ``run_layer``: runs each layer
+        instead (the generation engine's compiled decode layer)."""
         if packed is not None and (attend is not None or x.shape[0] != 1 or self.has_sliding_windows):
             raise ValueError("packed sequences need one row [1,T], no attend function and full attention "
                              "in every layer")
@@ -223,14 +230,18 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions, h.dtype)
         recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         run = self.layer_fn(attend)
-        for layer in self.model.layers.values():
+        for index, layer in self.model.layers.items():
+            if run_layer is not None:
+                h = run_layer(int(index), layer, h, cos, sin)
+                continue
+            layer_attend = None if attend is None else functools.partial(attend, int(index))
             if recompute:
                 # The decoder has no dropout, so the recomputation needs no saved RNG state. Under
                 # tp the recomputed forward repeats its two all-reduces inside backward.
-                h = checkpoint(run, layer, h, cos, sin, attend, packed, use_reentrant=False,
+                h = checkpoint(run, layer, h, cos, sin, layer_attend, packed, use_reentrant=False,
                                preserve_rng_state=False)
             else:
-                h = run(layer, h, cos, sin, attend, packed)
+                h = run(layer, h, cos, sin, layer_attend, packed)
         if self.shard.last_stage:
             h = self.model.norm(h)
         return h
@@ -239,10 +250,10 @@ class Transformer(nn.Module):
     def has_sliding_windows(self) -> bool:
         return any(w is not None for w in self.cfg.sliding_windows)
 
-    def layer_fn(self, attend: AttendFn | None):
+    def layer_fn(self, attend: LayerAttendFn | None):
         """What runs one layer: the compiled function (see ``compile_layers``) for plain causal
-        forwards (training, inference); generation passes its own ``attend`` and compiles its
-        whole decode step instead."""
+        forwards (training, inference); generation passes its own ``attend`` (and compiles its
+        decode layer itself, ``engine.generate.steps``)."""
         return self._compiled_layer if attend is None and self._compiled_layer is not None else _layer_forward
 
     def compile_layers(self) -> bool:

@@ -8,8 +8,8 @@ with several GPUs the all-reduce bus bandwidth and point-to-point bandwidth betw
 
 What is timed is what the runtime runs: on GPUs, tp=1 layers go through ``torch.compile`` as the
 runtime compiles them (``compile_layers=False`` for runs that keep them eager), and a decode step
-attends with the engine's decode attention over a cache in the engine's layout (compiled at tp=1
-on GPUs, as the engine compiles its decode step). Decode steps are
+attends with the engine's decode attention over a cache in the engine's layout (the engine's own
+decode layer, compiled at tp=1 on GPUs as the engine compiles it). Decode steps are
 timed eagerly by default (kernel launches included), or as captured CUDA graphs with
 ``cuda_graphs`` to match an engine that replays graphs. Grid cells whose KV cache would not fit are
 filled from the roofline scaled by the nearest measured cell.
@@ -33,7 +33,7 @@ from shardflow.config.model import ModelConfig
 from shardflow.engine.compile_fallback import compiled_or_eager
 from shardflow.engine.generate.decode_attention import ATTENTION
 from shardflow.engine.generate.decode_weights import make_decode_weights
-from shardflow.engine.generate.kv_cache import write_kv
+from shardflow.engine.generate.steps import decode_layer
 from shardflow.models.transformer import Transformer, build_model
 from shardflow.parallel.launch import launch
 from shardflow.parallel.layout import Layout
@@ -120,20 +120,6 @@ def one_layer_model(cfg: ModelConfig, tp: int, device: torch.device, dtype: torc
     return model
 
 
-def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, attention, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One decoder layer of a decode step as the engine runs it (see ``steps.decode_logits``): the
-    new token's key and value go into each request's slot at its position, then it attends over the
-    slot. x [B,1,H]; caches [S, kv heads, M, d]; slots, positions [B]."""
-    lengths = positions + 1
-
-    def attend(_layer: int, q, k, v):
-        write_kv(k_cache, v_cache, slots[:, None], positions[:, None], k, v)
-        return attention(q[:, :, 0], k_cache, v_cache, slots, lengths, None)[:, :, None]
-
-    return layer(x, cos, sin, attend)
-
-
 def _positions(batch: int, length: int, device: torch.device, start: int = 0) -> torch.Tensor:
     return torch.arange(start, start + length, device=device).expand(batch, length)  # [B,T]
 
@@ -176,11 +162,10 @@ def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, d
     shape = layer_shape(cfg, tp)
     kv_local = shape.kv_dim // cfg.head_dim
     # The engine decodes with fused q/k/v and gate/up copies on GPUs (every product's weight stored
-    # transposed with ``transposed_weights``) and compiles its whole decode step at tp=1: so does the
-    # layer's share of it here.
+    # transposed with ``transposed_weights``) and compiles its decode layer at tp=1: so does this.
     if device.type == "cuda" or transposed_weights:
         make_decode_weights(model, transposed=transposed_weights)
-    decode = compiled_or_eager(decode_layer, "the profiled decode layer", dynamic=True) if compiled else decode_layer
+    decode = compiled_or_eager(decode_layer, "the profiled decode layer") if compiled else decode_layer
     rows: list[list[float | None]] = []
     for batch in grid.batches:
         row: list[float | None] = []
@@ -197,7 +182,9 @@ def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, d
             cos, sin = model.rope(positions[:, None], dtype)
             x = torch.randn(batch, 1, H, device=device, dtype=dtype)  # [B,1,H]
             with torch.no_grad():
-                fn = lambda: decode(layer, x, cos, sin, k_cache, v_cache, attention, slots, positions)  # noqa: E731
+                at = slots[:, None], positions[:, None]
+                fn = lambda: decode(layer, x, cos, sin, k_cache, v_cache, attention, at, slots,  # noqa: E731
+                                    positions + 1, None)
                 if cuda_graphs and device.type == "cuda":
                     fn = graphed(fn)
                 row.append(timed(fn, device, grid.reps))

@@ -60,7 +60,7 @@ from shardflow.engine.generate.decode_weights import decode_weights_layout, drop
 from shardflow.engine.generate.kv_cache import KVCache, bytes_per_slot, check_block_size
 from shardflow.engine.generate.requests import Request
 from shardflow.engine.generate.sampling import SamplingTensors, batch_mode, sample
-from shardflow.engine.generate.steps import decode_logits, extend_cache, prefill_logits
+from shardflow.engine.generate.steps import decode_layer, decode_logits, extend_cache, prefill_logits
 from shardflow.models.transformer import Transformer
 from shardflow.perf.sharing import PROMPT_ROWS
 
@@ -77,8 +77,8 @@ class EngineConfig:
     max_prefill_tokens: int = 16384  # padded tokens in one prefill forward
     attention: str = "auto"  # decode attention: "torch", "triton", or "auto" (triton on CUDA)
     cuda_graphs: bool | None = None  # capture decode steps as CUDA graphs; None: on CUDA
-    compile: bool = False  # torch.compile the decode step (fuses elementwise ops; tp = 1 only)
-    compile_mode: str = "default"  # torch.compile mode of the decode step (one that leaves graphs to the engine)
+    compile: bool = False  # torch.compile the decode step's layers (fuses elementwise ops; tp = 1 only)
+    compile_mode: str = "default"  # torch.compile mode of the decode layers (one that leaves graphs to the engine)
     # The BLAS library of the decode step's products on CUDA ("cublas" or "cublaslt"); None: torch's
     # default. Which one is faster depends on the shape and batch (see BENCHMARKS.md); fixed per
     # run, not timed at run time, so that a seed gives the same tokens in every run.
@@ -157,9 +157,12 @@ class GenerationEngine:
             raise ValueError("compile is implemented for tp=1 only; run tp > 1 without it")
         if config.blas_library is not None and self.device.type != "cuda":
             raise ValueError(f"blas_library {config.blas_library!r} needs a CUDA device; the model is on {self.device}")
-        step = (compiled_or_eager(self._step, "the decode step", mode=config.compile_mode)
-                if config.compile else self._step)
-        self._step_fn = with_blas_library(step, config.blas_library)
+        # Compiled layer by layer: one layer's code serves all of them (tracing and compiling the
+        # whole unrolled stack took most of a first iteration); the step around the layers (the
+        # embedding, the head and sampling's kernels) stays eager, replayed in CUDA graphs.
+        self._layer_fn = (compiled_or_eager(decode_layer, "the decode layer", mode=config.compile_mode)
+                          if config.compile else decode_layer)
+        self._step_fn = with_blas_library(self._step, config.blas_library)
         self.stats = GenerationStats()
         self.waiting: deque[list[Request]] = deque()  # prefill units waiting for free slots
         self.active: list[Request] = []  # requests holding a slot, in admission order
@@ -271,7 +274,8 @@ class GenerationEngine:
         tokens, positions, slots, top_k, seeds, groups, prompt = ints.unbind(0)
         temperature, top_p = floats.unbind(0)
         prompts = (groups, prompt) if shares else None
-        logits = decode_logits(self.model, self.cache, self.attention, tokens, positions, slots, prompts)
+        logits = decode_logits(self.model, self.cache, self.attention, tokens, positions, slots, prompts,
+                               layer_fn=self._layer_fn)
         st = SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds, position=positions + 1)
         return sample(logits, st, vocab_start=self.model.shard.vocab_start, vocab_size=self.model.cfg.vocab_size,
                       group=self.model.tp_group, mode=mode)

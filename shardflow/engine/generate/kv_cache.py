@@ -295,18 +295,14 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
-        """Store k, v [B, kv_heads, T, d] of rows ``slots`` [B] at ``positions`` [B, T]. With
-        ``slots`` [B, N], row b goes into each of its N slots (a prompt's samples) in the same
-        write; the values are broadcast, not copied."""
-        k_cache, v_cache = self.k[layer], self.v[layer]
-        if slots.dim() == 2:  # prefill only: the decode step's write below stays as compiled and measured
-            B, N = slots.shape
-            T = positions.shape[1]
-            blocks, at = self.locate(slots[:, :, None].expand(B, N, T), positions[:, None].expand(B, N, T))
-            k_cache[blocks, :, at] = k.transpose(1, 2)[:, None]
-            v_cache[blocks, :, at] = v.transpose(1, 2)[:, None]
-            return
-        write_kv(k_cache, v_cache, *self.locate(slots[:, None].expand_as(positions), positions), k, v)
+        """Store k, v [B, kv_heads, T, d] of rows ``slots`` [B, N] at ``positions`` [B, T]: row b
+        goes into each of its N slots (a prompt's samples) in the same write; the values are
+        broadcast, not copied. (A decode step writes through ``locate`` and ``write_kv``.)"""
+        B, N = slots.shape
+        T = positions.shape[1]
+        blocks, at = self.locate(slots[:, :, None].expand(B, N, T), positions[:, None].expand(B, N, T))
+        self.k[layer][blocks, :, at] = k.transpose(1, 2)[:, None]
+        self.v[layer][blocks, :, at] = v.transpose(1, 2)[:, None]
 
     def span(self, t: torch.Tensor, blocks: list[int], start: int, stop: int) -> torch.Tensor:
         """Positions [start, stop) of the request whose blocks ``blocks`` lists, in one layer's keys

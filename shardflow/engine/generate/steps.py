@@ -8,7 +8,8 @@
   they attend over history and themselves.
 - ``decode_logits``: one new token per request; its key and value go into the slot at its
   position, then it attends over the slot's valid positions (through its blocks when the cache
-  is paged).
+  is paged). Layer by layer through ``decode_layer``, which the engine compiles (one layer's
+  code for all of them).
 
 Both return this rank's vocabulary slice of the logits; the model's own tp collectives (two
 all-reduces per layer and one for the embedding) are the only communication.
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from shardflow.engine.generate.kv_cache import KVCache, write_kv
-from shardflow.models.transformer import Transformer, causal_attention
+from shardflow.models.transformer import DecoderLayer, Transformer, causal_attention
 
 # attention(q [B,H,d], k_cache, v_cache, blocks [B] or [B,n], lengths [B], window, prompts) -> [B,H,d]
 DecodeAttention = Callable[..., torch.Tensor]
@@ -78,23 +79,42 @@ def extend_cache(model: Transformer, cache: KVCache, ids: torch.Tensor, starts: 
     model(ids, positions, attend)
 
 
+def decode_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, attention: DecodeAttention, at: tuple[torch.Tensor, torch.Tensor],
+                 blocks: torch.Tensor, lengths: torch.Tensor, window: int | None,
+                 prompts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One decoder layer of a decode step: the new token's key and value go into the cache at
+    ``at`` (blocks, offsets [B,1]), then it attends over its positions. x [B,1,H]. A function of
+    tensors and the layer's module only (no layer index), so that one compiled version serves
+    every layer: compilation traces one layer, not the whole stack."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [B,H,1,d], k/v [B,K,1,d]
+        write_kv(k_cache, v_cache, *at, k, v)
+        return attention(q[:, :, 0], k_cache, v_cache, blocks, lengths, window, prompts)[:, :, None]
+
+    return layer(x, cos, sin, attend)
+
+
 def decode_logits(model: Transformer, cache: KVCache, attention: DecodeAttention, tokens: torch.Tensor,
                   positions: torch.Tensor, slots: torch.Tensor,
-                  prompts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  prompts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  layer_fn: Callable[..., torch.Tensor] = decode_layer) -> torch.Tensor:
     """tokens, positions, slots [B] -> logits [B, V_local] of the next token. ``prompts``: the
-    rows' shared-prompt groups and prompt lengths (see ``decode_attention``), or None.
+    rows' shared-prompt groups and prompt lengths (see ``decode_attention``), or None;
+    ``layer_fn``: ``decode_layer`` or a compiled version of it.
 
     Has no host synchronisation and no data-dependent shapes, so it can be captured in a CUDA graph.
     """
     lengths = positions + 1  # valid positions once this token's K/V are written
     windows = model.cfg.sliding_windows
     blocks = cache.table[slots] if cache.paged else slots  # [B, n]: the rows of the block table
+    at = cache.locate(slots[:, None], positions[:, None])  # where the new token's K/V go: [B,1] each
 
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q [B,H,1,d], k/v [B,K,1,d]
-        cache.write(layer, slots, positions[:, None], k, v)
-        out = attention(q[:, :, 0], cache.k[layer], cache.v[layer], blocks, lengths, windows[layer], prompts)
-        return out[:, :, None]
+    def run_layer(index: int, layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+        return layer_fn(layer, h, cos, sin, cache.k[index], cache.v[index], attention, at, blocks, lengths,
+                        windows[index], prompts)
 
-    hidden = model(tokens[:, None], positions[:, None], attend)  # [B,1,H]
+    hidden = model(tokens[:, None], positions[:, None], run_layer=run_layer)  # [B,1,H]
     return model.logits(hidden[:, 0])
