@@ -111,17 +111,20 @@ def paged_copy(kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, block: i
 
 def check_paged() -> None:
     """Rows whose positions lie in scattered blocks (a paged cache) give the outputs of their
-    contiguous slots: blocks of 16 and of 48 positions (tiles of 64 straddle them), windows, GQA,
-    bf16, several splits; and a prompt's samples sharing their prompt's whole blocks, read once."""
+    contiguous slots: blocks of 16 and of 48 positions (tiles of 64 straddle them), of 64 and 128
+    (each tile in one block; windows and splits start tiles mid-block), windows, GQA, bf16, several
+    splits; and a prompt's samples sharing their prompt's whole blocks, read once."""
     from shardflow.engine.generate.decode_attention import decode_attention_triton
 
     g = torch.Generator().manual_seed(5)
     for H, K, d, dtype, window, block in ((4, 2, 16, torch.float32, None, 16), (6, 2, 24, torch.float32, 40, 48),
-                                         (8, 1, 32, torch.bfloat16, None, 48)):
+                                         (8, 1, 32, torch.bfloat16, None, 48), (4, 2, 16, torch.float32, None, 64),
+                                         (6, 2, 24, torch.float32, 40, 64), (4, 1, 16, torch.float32, 100, 128)):
         lengths = torch.tensor([1, 64, 65, 288, 137, 2, 90, 287])
         slots = torch.tensor([2, 0, 5, 3, 1, 7, 6, 4])
-        kc = torch.randn(8, K, 288, d, generator=g).to(dtype)
-        vc = torch.randn(8, K, 288, d, generator=g).to(dtype)
+        span = -(-288 // block) * block  # whole blocks
+        kc = torch.randn(8, K, span, d, generator=g).to(dtype)
+        vc = torch.randn(8, K, span, d, generator=g).to(dtype)
         q = torch.randn(8, H, d, generator=g).to(dtype)
         want = decode_attention_torch(q.float(), kc.float(), vc.float(), slots, lengths, window)
         kp, vp, rows = paged_copy(kc, vc, slots, block, g)
@@ -147,6 +150,20 @@ def check_paged() -> None:
     for splits in (1, 3):
         got = decode_attention_triton(q, kp, vp, rows, lengths, None, (groups, prompt), splits=splits)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"paged shared prompts, splits {splits}")
+    # blocks of 64: a prompt of 70 positions (one whole shared block; the rows' own positions begin
+    # mid-block), of 64 (exactly one block)
+    block = 64
+    groups, prompt = torch.tensor([0, 0, 1, 1, 1, -1]), torch.tensor([70, 70, 64, 64, 64, 0])
+    kc, vc = torch.randn(6, K, 192, d, generator=g), torch.randn(6, K, 192, d, generator=g)
+    for members, n in (([0, 1], 70), ([2, 3, 4], 64)):
+        kc[members, :, :n] = kc[members[:1], :, :n]
+        vc[members, :, :n] = vc[members[:1], :, :n]
+    lengths = prompt + torch.tensor([30, 100, 1, 64, 65, 150])
+    want = decode_attention_torch(q, kc, vc, slots, lengths, None)
+    kp, vp, rows = paged_copy(kc, vc, slots, block, g, share={1: 0, 3: 2, 4: 2})
+    for splits in (1, 3):
+        got = decode_attention_triton(q, kp, vp, rows, lengths, None, (groups, prompt), splits=splits)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"paged blocks of 64, shared prompts, {splits}")
 
 
 def check_engine(path: str) -> None:

@@ -84,27 +84,42 @@ if triton is not None:
     def attend_positions(q, k_head, v_head, block_row, stride_ks, stride_kt, stride_vs, stride_vt, block_size,
                          lo, hi, m_i, l_i, acc, scale_log2,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAGED: tl.constexpr):
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAGED: tl.constexpr,
+                         TILE_IN_BLOCK: tl.constexpr):
         """Online softmax of the query rows ``q`` [rows, BLOCK_D] over positions [lo, hi) of one
         KV head of a row whose blocks ``block_row`` names (``k_head``, ``v_head``: the head in
         block 0): the running max ``m_i``, sum ``l_i`` and unnormalised output ``acc``, updated
-        BLOCK positions at a time. Not PAGED: the row is one block, whose base is computed once."""
+        BLOCK positions at a time. Not PAGED: the row is one block, whose base is computed once.
+        TILE_IN_BLOCK (paged, blocks a multiple of BLOCK long): tiles start at multiples of BLOCK,
+        so each lies in one block, whose number is loaded one tile ahead (the loads of a tile's
+        keys then wait for no other load)."""
         offs_n = tl.arange(0, BLOCK)
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
+        first = lo
+        blk = tl.full([], 0, tl.int64)  # TILE_IN_BLOCK: the block of the tile to come
         if not PAGED:
             only = tl.load(block_row).to(tl.int64)
             k_head = k_head + only * stride_ks
             v_head = v_head + only * stride_vs
-        for n0 in range(lo, hi, BLOCK):
+        if TILE_IN_BLOCK:  # an empty range stays empty: a tile of masked positions only would give NaNs
+            first = tl.where(lo < hi, lo - lo % BLOCK, hi)
+            blk = tl.load(block_row + first // block_size, mask=first < hi, other=0).to(tl.int64)
+        for n0 in range(first, hi, BLOCK):
             pos = n0 + offs_n
-            mask_n = pos < hi
+            mask_n = (pos >= lo) & (pos < hi)
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            if PAGED:  # a tile may straddle two blocks: each position's block from the row
-                blk = tl.load(block_row + pos // block_size, mask=mask_n, other=0).to(tl.int64)
+            if TILE_IN_BLOCK:
                 at = pos % block_size
-                k_rows = k_head + blk[:, None] * stride_ks + at[:, None] * stride_kt
-                v_rows = v_head + blk[:, None] * stride_vs + at[:, None] * stride_vt
+                k_rows = k_head + blk * stride_ks + at[:, None] * stride_kt
+                v_rows = v_head + blk * stride_vs + at[:, None] * stride_vt
+                ahead = n0 + BLOCK
+                blk = tl.load(block_row + ahead // block_size, mask=ahead < hi, other=0).to(tl.int64)
+            elif PAGED:  # a tile may straddle two blocks: each position's block from the row
+                blk_n = tl.load(block_row + pos // block_size, mask=mask_n, other=0).to(tl.int64)
+                at = pos % block_size
+                k_rows = k_head + blk_n[:, None] * stride_ks + at[:, None] * stride_kt
+                v_rows = v_head + blk_n[:, None] * stride_vs + at[:, None] * stride_vt
             else:
                 k_rows = k_head + pos[:, None] * stride_kt
                 v_rows = v_head + pos[:, None] * stride_vt
@@ -130,7 +145,7 @@ if triton is not None:
                        stride_bb, block_size, stride_sb, stride_sh, stride_mb, scale_log2,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_Q: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                       PAGED: tl.constexpr):
+                       PAGED: tl.constexpr, TILE_IN_BLOCK: tl.constexpr):
         """Program (window of ROWS rows, KV head): for each row b of the window that leads a run of
         rows of one group (see ``decode_attention_triton``), the online-softmax state of the run's
         rows x GROUP query heads over the group's shared prompt positions, read once from b's blocks.
@@ -161,7 +176,7 @@ if triton is not None:
                 m_i, l_i, acc = attend_positions(q, K + kvh * stride_kh, V + kvh * stride_vh,
                                                  Blocks + b.to(tl.int64) * stride_bb, stride_ks, stride_kt, stride_vs,
                                                  stride_vt, block_size, 0, prompt, m_i, l_i, acc, scale_log2,
-                                                 HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST, PAGED)
+                                                 HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST, PAGED, TILE_IN_BLOCK)
                 tl.store(Acc + rows[:, None] * stride_sb + heads[:, None] * stride_sh + offs_d[None, :], acc,
                          mask=in_run[:, None] & mask_d[None, :])
                 tl.store(Max + rows * stride_mb + heads, m_i, mask=in_run)
@@ -174,7 +189,8 @@ if triton is not None:
                       stride_oh, stride_sb, stride_sh, stride_pmb, scale_log2, window,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, SHARED: tl.constexpr, PAGED: tl.constexpr):
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, SHARED: tl.constexpr, PAGED: tl.constexpr,
+                      TILE_IN_BLOCK: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -211,7 +227,7 @@ if triton is not None:
         block_row = Blocks + b.to(tl.int64) * stride_bb
         m_i, l_i, acc = attend_positions(q, K + kvh * stride_kh, V + kvh * stride_vh, block_row, stride_ks, stride_kt,
                                          stride_vs, stride_vt, block_size, lo, hi, m_i, l_i, acc, scale_log2, HEAD_DIM,
-                                         BLOCK_D, BLOCK, PRECISION, UPCAST, PAGED)
+                                         BLOCK_D, BLOCK, PRECISION, UPCAST, PAGED, TILE_IN_BLOCK)
 
         if SPLITS == 1:  # nothing to merge: the output itself
             o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -265,6 +281,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     blocks = blocks[:, None] if blocks.dim() == 1 else blocks
     assert H % K == 0 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and blocks.stride(1) == 1
     group, paged = H // K, blocks.shape[1] > 1
+    tile_in_block = paged and N % block == 0
     splits = splits or num_splits(B, K, N * blocks.shape[1], q.device, programs_per_sm, block)
     out = torch.empty(B, H, d, dtype=q.dtype, device=q.device)
     parts = splits if splits > 1 else 0  # one split writes ``out`` directly: no partial results
@@ -289,8 +306,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             q, k_cache, v_cache, blocks, groups, prompt, prompt_acc, prompt_max, prompt_sum, B, *strides_qkv,
             prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0), scale_log2,
             GROUP=group, HEAD_DIM=d, ROWS=PROMPT_ROWS, BLOCK_Q=max(16, triton.next_power_of_2(PROMPT_ROWS * group)),
-            BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, PAGED=paged, num_warps=num_warps,
-            num_stages=num_stages,
+            BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, PAGED=paged,
+            TILE_IN_BLOCK=tile_in_block, num_warps=num_warps, num_stages=num_stages,
         )
     _split_kernel[(B, K, splits)](
         q, k_cache, v_cache, blocks, lengths, acc, row_max, row_sum, out, prompt, prompt_acc, prompt_max, prompt_sum,
@@ -299,7 +316,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         scale_log2, window or 0,
         GROUP=group, HEAD_DIM=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, SHARED=shared, PAGED=paged,
-        num_warps=num_warps, num_stages=num_stages,
+        TILE_IN_BLOCK=tile_in_block, num_warps=num_warps, num_stages=num_stages,
     )
     if splits == 1:
         return out
