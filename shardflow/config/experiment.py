@@ -137,8 +137,8 @@ class GenerationConfig(Settings):
     kv_cache_gb: float = setting(0.0, "KV cache budget per rank in GiB (0 = a default share of free memory)", ge=0)
     force_length: bool = setting(False, "ignore EOS and stop tokens: every response gets max_new_tokens "
                                         "(benchmarks)")
-    compile: bool = setting(True, "torch.compile the decode step on GPUs (tp=1 layouts; sampling is compiled "
-                                  "always)")
+    compile: bool = setting(True, "torch.compile the decode step's layers on GPUs (one compiled layer serves all; "
+                                  "tp=1 layouts)")
     compile_mode: str = setting("default", "torch.compile mode of the decode step (max-autotune-no-cudagraphs: "
                                            "autotuned kernels, much longer compilation)", choices=COMPILE_MODES)
     blas_library: str = setting("", "BLAS library of the decode step's products on GPUs (empty: torch's default)",
@@ -147,8 +147,8 @@ class GenerationConfig(Settings):
                                               "cuBLAS kernels), for a copy of o, down and the LM head")
     share_prompt_kv: bool = setting(True, "decode attention on GPUs reads a prompt's KV once for all its samples "
                                           "(fewer bytes by the prompt's share of the context)")
-    kv_block_size: int = setting(0, "tokens per KV cache block, e.g. 64: the cache holds the blocks requests reach, "
-                                    "not max_seq_len per request (0 = one contiguous block per request)", ge=0,
+    kv_block_size: int = setting(64, "tokens per KV cache block: the cache holds the blocks requests reach, not "
+                                     "max_seq_len per request (0 = one contiguous block per request)", ge=0,
                                  multiple_of=KV_BLOCK_MULTIPLE)
     adaptive: AdaptiveConfig = section(AdaptiveConfig, "adaptive tensor parallelism")
 
