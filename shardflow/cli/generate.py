@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context limit for prompt + completion; sizes each KV slot (default: the longest "
                         "prompt plus --max-new-tokens, within the model's limit)")
     p.add_argument("--max-batch-size", type=int, default=256, help="requests decoded at once per replica")
+    p.add_argument("--kv-block-size", type=int, default=64,
+                   help="tokens per KV cache block: the cache holds the blocks requests reach (0: one contiguous "
+                        "block of --max-seq-len per request)")
     p.add_argument("--chunk-prompts", type=int, default=1024, help="prompts per chunk written together")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="compute dtype (auto: bfloat16 on GPU, float32 on CPU)")
@@ -115,11 +118,11 @@ def prepare(args: argparse.Namespace) -> Job:
     tokenizer = AutoTokenizer.from_pretrained(model)
     records, prompts = read_prompts(Path(args.input), tokenizer, limit)
     requests = make_requests(prompts, params, args.samples_per_prompt)
-    # Every KV slot holds max_seq_len positions: no more than the longest request can use.
+    # A request holds at most max_seq_len positions: no more than the longest request can use.
     max_seq_len = min(limit, max(len(p) for p in prompts) + args.max_new_tokens)
     engine = EngineConfig(max_seq_len=max_seq_len, max_batch_size=args.max_batch_size, compile=args.compile,
                           compile_mode=args.compile_mode, blas_library=args.blas_library,
-                          transposed_weights=args.transposed_weights)
+                          transposed_weights=args.transposed_weights, kv_block_size=args.kv_block_size or None)
     return Job(model=str(model), layout=str(layout), output=args.output, dtype=args.dtype, engine=engine,
                records=records, requests=requests, samples_per_prompt=args.samples_per_prompt,
                chunk_prompts=args.chunk_prompts)
