@@ -205,12 +205,14 @@ def run_shardflow(work: Path, workload: dict, iterations: int, overrides: list[s
               if k.startswith("time/") and not k.startswith(("time/realloc", "time/compile", "time/setup"))}
     # what the first iteration spent compiling (per call) and on setup before it
     first = {k.removeprefix("time/"): v for k, v in rows[0].items() if k.startswith(("time/compile", "time/setup"))}
+    first_phases = {k.removeprefix("time/"): v for k, v in rows[0].items() if k.startswith("time/")
+                    and not k.startswith(("time/compile", "time/setup"))}
     recompiled = sorted({k for r in rows[1:] for k in r if k.startswith("time/compile")})
     peaks = {k.removeprefix("memory/").removesuffix("/peak_gb"): max(r[k] for r in rows) for k in rows[0]
              if k.startswith("memory/")}
     return {"iteration_s": [r["time/iteration"] for r in rows], "median_iteration_s": phases.pop("iteration"),
             "peak_memory_gb": peaks, "first_iteration_end_s": first_end, "first_iteration_s": first,
-            "recompiled_later": recompiled,
+            "first_iteration_phases_s": first_phases, "recompiled_later": recompiled,
             "phases_s": phases, "tokens_per_s": statistics.median(r.get("generation/tokens_per_s", 0) for r in steady),
             "process_wall_s": wall}
 
@@ -354,6 +356,8 @@ def main() -> None:
             print(f"{name}: before iteration 1 and compiling in it (s): "
                   + ", ".join(f"{k} {v:.1f}" for k, v in run["first_iteration_s"].items())
                   + (f"; compiled again later: {', '.join(run['recompiled_later'])}" if run["recompiled_later"] else ""))
+    print("shardflow: iteration 1 by phase (s): " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                          ours["first_iteration_phases_s"].items()))
     print(f"shardflow: iteration 1 ends {ours['first_iteration_end_s']:.1f} s after the command "
           f"(iteration 1 {ours['iteration_s'][0]:.1f} s); peak device memory per call (GB): "
           + (", ".join(f"{k} {v:.1f}" for k, v in ours["peak_memory_gb"].items()) or "not measured (no GPU)"))

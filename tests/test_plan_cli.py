@@ -11,7 +11,7 @@ import yaml
 from shardflow.cli.main import main
 from shardflow.config.model import ModelConfig
 from shardflow.perf.hardware import Cluster
-from shardflow.perf.profile import OpCosts, Profile
+from shardflow.perf.profile import OpCosts, Profile, layer_key
 from shardflow.plan.execution_plan import ExecutionPlan
 from shardflow.profiler.measure import measure_links
 from shardflow.rl.graph import Call, Graph, Kind
@@ -101,6 +101,9 @@ def test_profile_command_measures_a_small_shape(experiment, tmp_path, capsys):
     ops = OpCosts(profile.cluster(Cluster.for_devices(8)), profile)
     assert [ops.source(cfg, tp) for tp in (1, 2, 4)] == ["measured", "measured", "calibrated"]
     assert ops.layer_forward(cfg, 1, 128, 16) > 0 and ops.decode_layer(cfg, 2, 4, 64) > 0
+    layer = profile.layers[layer_key(cfg)][2]  # attention alone, causal and packed, measured too
+    tables = (layer.attention_forward, layer.attention_backward, layer.packed_forward, layer.packed_backward)
+    assert all(t is not None and t(64, 16) > 0 for t in tables)
     assert profile.rates["matmul_flops"] > 0 and profile.rates["hbm_bandwidth"] > 0
     # planning with it uses its measured rates for the shapes it did not measure
     capsys.readouterr()

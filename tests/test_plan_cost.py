@@ -16,6 +16,7 @@ from shardflow.parallel.realloc_plan import transfer_plan
 from shardflow.parallel.sharding import shard_for
 from shardflow.perf.hardware import Cluster
 from shardflow.perf.profile import OpCosts, Profile, Table
+from shardflow.perf.roofline import layer_shape
 from shardflow.perf.transfer import realloc_seconds, received_bytes
 from shardflow.plan import memory as mem
 from shardflow.plan.cost import CostModel
@@ -35,6 +36,10 @@ class LinearOps(OpCosts):
 
     def decode_layer(self, cfg, tp, batch, context):
         return 1e-4 + 1e-7 * batch * context / tp
+
+    def _attention(self, cfg, tp, kind, x, seqlen):
+        # 1e-9 s per (token, position), 2.5x backward; packed attention's gathers 1e-7 s per key slot
+        return 1e-9 * x * seqlen * (2.5 if kind.endswith("backward") else 1) + (1e-7 * x if kind.startswith("packed") else 0)
 
     def head_forward(self, cfg, tp, tokens):
         return 5e-7 * tokens
@@ -105,7 +110,8 @@ def test_inference_and_training_time_by_hand():
 
 def test_shared_prompts_run_a_groups_prompt_once():
     """4 prompts x 8 samples of 300 + 200 tokens: shared, the layers run 300 + 8 x 200 tokens a
-    group instead of 8 x 500, and the head the same 8 x 200."""
+    group instead of 8 x 500, and the head the same 8 x 200; attention runs over rows that hold
+    each sample's prompt (8 x 500 key slots), with gathers."""
     cfg = llama()
     kw = dict(prompts=4, samples_per_prompt=8, prompt_tokens=300, max_new_tokens=200, response_mean=200)
     padded, shared = Workload(**kw), Workload(**kw, share_prompts=True)
@@ -115,9 +121,14 @@ def test_shared_prompts_run_a_groups_prompt_once():
     costs = {w: CostModel(LinearOps(Cluster.for_devices(1)), w) for w in (padded, shared)}
     layout = Layout.contiguous()
     for w in (padded, shared):  # one micro-batch: layers on the model's tokens, the head on responses
-        tokens = 32 * w.model_tokens
+        tokens, slots = 32 * w.model_tokens, 32 * 500
+        packed = 1e-9 * (slots - tokens) * 500 + 1e-7 * slots if w.share_prompts else 0.0  # attention swapped
         assert costs[w].inference(cfg, layout, 1) == pytest.approx(
-            cfg.num_layers * 1e-6 * tokens + 5e-7 * 32 * 200)
+            cfg.num_layers * (1e-6 * tokens + packed) + 5e-7 * 32 * 200)
+        backward = 2.5e-9 * (slots - tokens) * 500 + 1e-7 * slots if w.share_prompts else 0.0
+        assert costs[w].train(cfg, layout, 1) == pytest.approx(
+            cfg.num_layers * (3e-6 * tokens + packed + backward) + 1.5e-6 * 32 * 200
+            + 1e-12 * mem.rank_params(cfg, 1, 1))
 
 
 def test_prompt_kv_sharing_reads_a_groups_prompt_once():
@@ -175,6 +186,21 @@ def test_profile_tables_interpolate_and_override_the_roofline(tmp_path):
     assert ops.layer_forward(cfg, 4, 1000, 100) == pytest.approx(roof.layer_forward(cfg, 4, 1000, 100) * scale)
     assert ops.source(llama(hidden=1024), 1) == "roofline"
     assert HeadProfile  # the head tables follow the same rules
+    # without attention tables (an older profile) packed attention swaps the roofline's attention
+    # at the tokens for its packed attention at the key slots
+    swap = roof.roofline.packed_forward(layer_shape(cfg, 2), ops.cluster, 1200, 100) - \
+        roof.roofline.attention_forward(layer_shape(cfg, 2), ops.cluster, 1000, 100)
+    assert ops.packed_layer_forward(cfg, 2, 1000, 1200, 100) == pytest.approx(0.5 + swap)
+    # with them, the measured ones (kept through the file)
+    attention = Table((1000.0, 2000.0), ((0.1,), (0.2,)), (100.0,))
+    packed = Table((1000.0, 2000.0), ((0.15,), (0.3,)), (100.0,))
+    profile.layers[layer_key(cfg)] = {2: LayerProfile(
+        forward=flat, backward=flat, decode=flat, optimizer_per_param=1e-9, attention_forward=attention,
+        attention_backward=attention, packed_forward=packed, packed_backward=packed)}
+    profile.save(tmp_path / "p.json")
+    ops = OpCosts(Cluster.for_devices(8), Profile.load(tmp_path / "p.json"))
+    assert ops.packed_layer_forward(cfg, 2, 1000, 1200, 100) == pytest.approx(0.5 - 0.1 + 0.18)
+    assert ops.packed_layer_backward(cfg, 2, 1000, 1200, 100) == pytest.approx(0.5 - 0.1 + 0.18)
 
 
 def test_rank_params_match_the_sharding_spec():

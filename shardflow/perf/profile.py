@@ -7,8 +7,15 @@ A profile is JSON:
      "layers": {"<layer key>": {"<tp>": {"forward":  {"x": tokens, "y": seqlens, "seconds": [[...]]},
                                          "backward": {...},
                                          "decode":   {"x": batches, "y": contexts, "seconds": [[...]]},
-                                         "optimizer_per_param": 1.2e-11}}},
+                                         "optimizer_per_param": 1.2e-11,
+                                         "attention_forward": {...}, "attention_backward": {...},
+                                         "packed_forward": {...}, "packed_backward": {...}}}},
      "heads":  {"<head key>":  {"<tp>": {"forward": {"x": tokens, "seconds": [...]}, "backward": {...}}}}}
+
+The attention tables (tokens, seqlens) time the layer's causal attention alone, the packed ones
+(key slots, row lengths) the packed-sequence attention that shared prompts run instead
+(``models.packed_attention``): the cost model swaps one for the other. Profiles without them
+(older files) get both from the roofline.
 
 Times are for one tensor-parallel shard on one GPU, without communication (collectives are
 costed from the cluster's link rates). ``OpCosts`` answers each operation from the profile when
@@ -108,12 +115,33 @@ class LayerProfile:
     backward: Table  # (tokens, seqlen)
     decode: Table  # (batch, context)
     optimizer_per_param: float
+    attention_forward: Table | None = None  # (tokens, seqlen): causal attention alone
+    attention_backward: Table | None = None
+    packed_forward: Table | None = None  # (key slots, row length): packed-sequence attention
+    packed_backward: Table | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class HeadProfile:
     forward: Table  # tokens
     backward: Table
+
+
+_LAYER_TABLES = ("forward", "backward", "decode")
+_OPTIONAL_TABLES = ("attention_forward", "attention_backward", "packed_forward", "packed_backward")
+
+
+def _layer_dict(p: LayerProfile) -> dict[str, Any]:
+    out: dict[str, Any] = {name: getattr(p, name).to_dict() for name in _LAYER_TABLES}
+    out["optimizer_per_param"] = p.optimizer_per_param
+    out.update({name: getattr(p, name).to_dict() for name in _OPTIONAL_TABLES if getattr(p, name) is not None})
+    return out
+
+
+def _layer_from_dict(raw: dict[str, Any]) -> LayerProfile:
+    tables = {name: Table.from_dict(raw[name]) for name in _LAYER_TABLES}
+    tables.update({name: Table.from_dict(raw[name]) for name in _OPTIONAL_TABLES if name in raw})
+    return LayerProfile(**tables, optimizer_per_param=float(raw["optimizer_per_param"]))
 
 
 def layer_key(cfg: ModelConfig) -> str:
@@ -143,9 +171,7 @@ class Profile:
             "format": FORMAT,
             "device": self.device,
             "rates": dict(self.rates),
-            "layers": {k: {str(tp): {"forward": p.forward.to_dict(), "backward": p.backward.to_dict(),
-                                     "decode": p.decode.to_dict(), "optimizer_per_param": p.optimizer_per_param}
-                           for tp, p in by_tp.items()} for k, by_tp in self.layers.items()},
+            "layers": {k: {str(tp): _layer_dict(p) for tp, p in by_tp.items()} for k, by_tp in self.layers.items()},
             "heads": {k: {str(tp): {"forward": p.forward.to_dict(), "backward": p.backward.to_dict()}
                           for tp, p in by_tp.items()} for k, by_tp in self.heads.items()},
         }
@@ -162,11 +188,8 @@ class Profile:
         if unknown:
             raise ValueError(f"{where} has unknown rates {sorted(unknown)}")
         try:
-            layers = {k: {int(tp): LayerProfile(forward=Table.from_dict(p["forward"]),
-                                                backward=Table.from_dict(p["backward"]),
-                                                decode=Table.from_dict(p["decode"]),
-                                                optimizer_per_param=float(p["optimizer_per_param"]))
-                          for tp, p in by_tp.items()} for k, by_tp in raw.get("layers", {}).items()}
+            layers = {k: {int(tp): _layer_from_dict(p) for tp, p in by_tp.items()}
+                      for k, by_tp in raw.get("layers", {}).items()}
             heads = {k: {int(tp): HeadProfile(forward=Table.from_dict(p["forward"]),
                                               backward=Table.from_dict(p["backward"]))
                          for tp, p in by_tp.items()} for k, by_tp in raw.get("heads", {}).items()}
@@ -209,6 +232,25 @@ class OpCosts:
     def layer_backward(self, cfg: ModelConfig, tp: int, tokens: float, seqlen: float) -> float:
         return self._pick(self.profile.layers.get(layer_key(cfg), {}), tp, lambda p: p.backward(tokens, seqlen),
                           lambda t: self.roofline.layer_backward(layer_shape(cfg, t), self.cluster, tokens, seqlen))
+
+    def packed_layer_forward(self, cfg: ModelConfig, tp: int, tokens: float, slots: float, seqlen: float) -> float:
+        """Forward of ``tokens`` packed tokens (a shared prompt once) whose attention runs over rows
+        of ``slots`` key slots (``models.packed_attention``): the layer at its tokens, with its causal
+        attention swapped for the packed one."""
+        return (self.layer_forward(cfg, tp, tokens, seqlen) - self._attention(cfg, tp, "attention_forward", tokens, seqlen)
+                + self._attention(cfg, tp, "packed_forward", slots, seqlen))
+
+    def packed_layer_backward(self, cfg: ModelConfig, tp: int, tokens: float, slots: float, seqlen: float) -> float:
+        return (self.layer_backward(cfg, tp, tokens, seqlen)
+                - self._attention(cfg, tp, "attention_backward", tokens, seqlen)
+                + self._attention(cfg, tp, "packed_backward", slots, seqlen))
+
+    def _attention(self, cfg: ModelConfig, tp: int, kind: str, x: float, seqlen: float) -> float:
+        """One of the layer's attention tables (``kind``: a ``LayerProfile`` field) at ``(x, seqlen)``;
+        the roofline's where the profile lacks it."""
+        by_tp = {t: p for t, p in self.profile.layers.get(layer_key(cfg), {}).items() if getattr(p, kind) is not None}
+        return self._pick(by_tp, tp, lambda p: getattr(p, kind)(x, seqlen),
+                          lambda t: getattr(self.roofline, kind)(layer_shape(cfg, t), self.cluster, x, seqlen))
 
     def decode_layer(self, cfg: ModelConfig, tp: int, batch: float, context: float) -> float:
         return self._pick(self.profile.layers.get(layer_key(cfg), {}), tp, lambda p: p.decode(batch, context),

@@ -80,17 +80,34 @@ class Roofline:
         """Forward of ``tokens`` tokens in sequences of ``seqlen`` (causal attention)."""
         gemm = _max(2 * tokens * s.params / (c.matmul_flops * self.matmul_efficiency),
                    s.params * self.dtype_bytes / c.hbm_bandwidth)
-        attn = 2 * tokens * seqlen * s.q_dim / (c.matmul_flops * self.attention_efficiency)
         elem = tokens * self._elementwise_elems(s) * self.dtype_bytes / c.hbm_bandwidth
-        return gemm + attn + elem + c.layer_overhead_s
+        return gemm + self.attention_forward(s, c, tokens, seqlen) + elem + c.layer_overhead_s
 
     def layer_backward(self, s: LayerShape, c: Cluster, tokens: float, seqlen: float) -> float:
         """Backward (input and weight gradients): twice the GEMM FLOPs, 2.5x attention."""
         gemm = _max(4 * tokens * s.params / (c.matmul_flops * self.matmul_efficiency),
                    2 * s.params * self.dtype_bytes / c.hbm_bandwidth)
-        attn = 5 * tokens * seqlen * s.q_dim / (c.matmul_flops * self.attention_efficiency)
         elem = 2 * tokens * self._elementwise_elems(s) * self.dtype_bytes / c.hbm_bandwidth
-        return gemm + attn + elem + 2 * c.layer_overhead_s
+        return gemm + self.attention_backward(s, c, tokens, seqlen) + elem + 2 * c.layer_overhead_s
+
+    def attention_forward(self, s: LayerShape, c: Cluster, tokens: float, seqlen: float) -> float:
+        """Causal attention of ``tokens`` tokens in sequences of ``seqlen`` (part of ``layer_forward``)."""
+        return 2 * tokens * seqlen * s.q_dim / (c.matmul_flops * self.attention_efficiency)
+
+    def attention_backward(self, s: LayerShape, c: Cluster, tokens: float, seqlen: float) -> float:
+        return 2.5 * self.attention_forward(s, c, tokens, seqlen)
+
+    def _packing_bytes(self, s: LayerShape, slots: float) -> float:
+        # q, k and v gathered into the rows' slots (read and written), each query's output taken back
+        return slots * 2 * (2 * s.q_dim + 2 * s.kv_dim) * self.dtype_bytes
+
+    def packed_forward(self, s: LayerShape, c: Cluster, slots: float, seqlen: float) -> float:
+        """Attention over packed tokens in rows of ``slots`` key slots of length ``seqlen``
+        (``models.packed_attention``'s rows kernel): the rows' causal attention and the gathers."""
+        return self.attention_forward(s, c, slots, seqlen) + self._packing_bytes(s, slots) / c.hbm_bandwidth
+
+    def packed_backward(self, s: LayerShape, c: Cluster, slots: float, seqlen: float) -> float:
+        return self.attention_backward(s, c, slots, seqlen) + self._packing_bytes(s, slots) / c.hbm_bandwidth
 
     def decode_layer(self, s: LayerShape, c: Cluster, batch: float, context: float) -> float:
         """One decode step of ``batch`` requests whose KV caches hold ``context`` tokens."""

@@ -8,7 +8,8 @@
   its attention reads per row (a prompt once per group of its samples, see ``_read_context``).
 - Inference: forward of the replica's tokens in ``k`` micro-batches through ``pp`` stages:
   ``(k + pp - 1)`` times the slowest stage (pipeline fill and drain), each stage paying its layers,
-  two tp all-reduces per layer and a point-to-point send of activations.
+  two tp all-reduces per layer and a point-to-point send of activations. With shared prompts a
+  layer runs a prompt's tokens once, its attention over rows that repeat it (``_layer``).
 - Training: per optimizer step, the same pipeline with forward + backward (1F1B, bubble
   ``pp - 1``), four tp all-reduces per layer (six with recomputation), then the data-parallel
   gradient all-reduce and the AdamW step, not overlapped.
@@ -165,6 +166,18 @@ class CostModel:
         # aligned blocks, so groups of the same shape cross nodes alike).
         return (kind, cfg, layout.pp, layout.dp, layout.tp, self.cluster.one_node(layout.ranks), *rest)
 
+    def _layer(self, cfg: ModelConfig, tp: int, tokens: float, backward: bool = False) -> float:
+        """One layer's forward (or backward) over a micro-batch of ``tokens`` model tokens. With
+        shared prompts the micro-batch holds a prompt once, but its attention runs over rows that
+        hold each sample's prompt again (``models.packed_attention``): charged at those slots."""
+        w = self.workload
+        if w.model_tokens < w.mean_tokens:
+            slots = tokens * w.mean_tokens / w.model_tokens
+            packed = self.ops.packed_layer_backward if backward else self.ops.packed_layer_forward
+            return packed(cfg, tp, tokens, slots, w.attention_length)
+        plain = self.ops.layer_backward if backward else self.ops.layer_forward
+        return plain(cfg, tp, tokens, w.attention_length)
+
     def inference(self, cfg: ModelConfig, layout: Layout, micro_batches: int) -> float:
         """Forward over the iteration's sequences (log-probabilities or values)."""
         key = self._key("inf", cfg, layout, micro_batches)
@@ -173,8 +186,7 @@ class CostModel:
             layers = stage_layer_count(cfg, layout.pp)
 
             def stage(mb: float) -> float:
-                per_layer = (self.ops.layer_forward(cfg, layout.tp, mb, w.attention_length)
-                             + 2 * self._tp_all_reduce(cfg, layout, mb))
+                per_layer = self._layer(cfg, layout.tp, mb) + 2 * self._tp_all_reduce(cfg, layout, mb)
                 head = self.ops.head_forward(cfg, layout.tp, mb * w.response_share)  # at response tokens
                 return layers * per_layer + head + self._stage_send(cfg, layout, mb)
 
@@ -192,11 +204,10 @@ class CostModel:
         if key not in self._cache:
             w = self.workload
             layers = stage_layer_count(cfg, layout.pp)
-            seqlen = w.attention_length
 
             def stage(mb: float) -> float:
-                fwd = self.ops.layer_forward(cfg, layout.tp, mb, seqlen)
-                bwd = self.ops.layer_backward(cfg, layout.tp, mb, seqlen)
+                fwd = self._layer(cfg, layout.tp, mb)
+                bwd = self._layer(cfg, layout.tp, mb, backward=True)
                 passes = 3 if checkpointing else 2  # all-reduce pairs: forward, backward, recompute
                 per_layer = fwd * (2 if checkpointing else 1) + bwd
                 per_layer += 2 * passes * self._tp_all_reduce(cfg, layout, mb)

@@ -2,7 +2,8 @@
 
 For every tp, one decoder layer as one tp rank holds it (built from the sharding spec, run on one
 GPU without communication) is timed: forward and backward over token counts and sequence lengths,
-a decode step over batch sizes and KV-cache lengths, and the AdamW step per parameter; the final
+a decode step over batch sizes and KV-cache lengths, and the AdamW step per parameter; the
+layer's attention alone, causal and as shared prompts pack it, over the same grid; the final
 norm and head likewise over token counts. The GEMM rate and copy bandwidth are measured too, and
 with several GPUs the all-reduce bus bandwidth and point-to-point bandwidth between them.
 
@@ -34,13 +35,14 @@ from shardflow.engine.compile_fallback import compiled_or_eager
 from shardflow.engine.generate.decode_attention import ATTENTION
 from shardflow.engine.generate.decode_weights import make_decode_weights
 from shardflow.engine.generate.steps import decode_layer
-from shardflow.models.transformer import Transformer, build_model
+from shardflow.models.packed_attention import PackedSequences, packed_attention
+from shardflow.models.transformer import Transformer, build_model, causal_attention
 from shardflow.parallel.launch import launch
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for
 from shardflow.perf.hardware import Cluster
 from shardflow.perf.profile import HeadProfile, LayerProfile, Profile, Table, head_key, layer_key
-from shardflow.perf.roofline import Roofline, layer_shape
+from shardflow.perf.roofline import LayerShape, Roofline, layer_shape
 from shardflow.plan.space import splits
 
 logger = logging.getLogger(__name__)
@@ -134,7 +136,7 @@ def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, d
     if compiled:
         model.compile_layers()
     run = model.layer_fn(None)  # training and inference forwards
-    attention = ATTENTION["triton" if device.type == "cuda" else "torch"]  # the engine's default
+    decode_attention = ATTENTION["triton" if device.type == "cuda" else "torch"]  # the engine's default
 
     def layer_cell(tokens: int, seqlen: int, backward: bool) -> float:
         # cells with seqlen > tokens run one sequence of `tokens` tokens
@@ -160,6 +162,10 @@ def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, d
     model.zero_grad(set_to_none=True)
 
     shape = layer_shape(cfg, tp)
+    attention = {f"{kind}_{way}": Table(grid.tokens, tuple(tuple(
+        attention_cell(shape, cfg.head_dim, t, s, packed=kind == "packed", backward=way == "backward", device=device,
+                       dtype=dtype, reps=grid.reps) for s in grid.seqlens) for t in grid.tokens), grid.seqlens)
+        for kind in ("attention", "packed") for way in ("forward", "backward")}
     kv_local = shape.kv_dim // cfg.head_dim
     # The engine decodes with fused q/k/v and gate/up copies on GPUs (every product's weight stored
     # transposed with ``transposed_weights``) and compiles its decode layer at tp=1: so does this.
@@ -183,7 +189,7 @@ def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, d
             x = torch.randn(batch, 1, H, device=device, dtype=dtype)  # [B,1,H]
             with torch.no_grad():
                 at = slots[:, None], positions[:, None]
-                fn = lambda: decode(layer, x, cos, sin, k_cache, v_cache, attention, at, slots,  # noqa: E731
+                fn = lambda: decode(layer, x, cos, sin, k_cache, v_cache, decode_attention, at, slots,  # noqa: E731
                                     positions + 1, None)
                 if cuda_graphs and device.type == "cuda":
                     fn = graphed(fn)
@@ -195,7 +201,40 @@ def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, d
     optimizer = measure_optimizer(list(layer.parameters()), device)
     return LayerProfile(forward=Table(grid.tokens, forward, grid.seqlens),
                         backward=Table(grid.tokens, backward, grid.seqlens),
-                        decode=Table(grid.batches, filled, grid.contexts), optimizer_per_param=optimizer)
+                        decode=Table(grid.batches, filled, grid.contexts), optimizer_per_param=optimizer,
+                        **attention)
+
+
+def attention_cell(shape: LayerShape, head_dim: int, tokens: int, seqlen: int, *, packed: bool, backward: bool,
+                   device: torch.device, dtype: torch.dtype, reps: int) -> float:
+    """Seconds of one layer's attention alone over ``tokens`` tokens in sequences of ``seqlen``
+    (forward, or backward): the causal attention of the layer's plain forward, or (``packed``) the
+    packed-sequence attention that shared prompts run, here over unshared sequences, whose rows
+    hold the same key slots (``models.packed_attention``: gathers into rows, then attention)."""
+    length = min(seqlen, tokens)
+    batch = max(1, tokens // length)
+    n = batch * length
+    q = torch.randn(n, shape.q_dim // head_dim, head_dim, device=device, dtype=dtype)  # [N,h,d]
+    k, v = (torch.randn(n, shape.kv_dim // head_dim, head_dim, device=device, dtype=dtype) for _ in range(2))
+    if packed:
+        seqs = PackedSequences.build(torch.arange(n), [length] * batch, [length] * batch).to(device)
+        attend = lambda: packed_attention(q, k, v, seqs)  # noqa: E731
+    else:
+        attend = lambda: causal_attention(*(t.view(batch, length, -1, head_dim).transpose(1, 2)  # noqa: E731
+                                            for t in (q, k, v)), None)
+    with torch.no_grad():
+        forward = timed(attend, device, reps)
+    if not backward:
+        return forward
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    grad = torch.randn(n, shape.q_dim // head_dim, head_dim, device=device, dtype=dtype)
+
+    def step():
+        out = attend()  # packed: [N,h,d]; causal: [B,h,T,d]
+        (out if packed else out.transpose(1, 2)).reshape(grad.shape).backward(grad)
+
+    return max(timed(step, device, reps) - forward, 0.1 * forward)
 
 
 def _fill(rows: list[list[float | None]], grid: Grid, roof: Callable[[int, int], float]) -> tuple:
