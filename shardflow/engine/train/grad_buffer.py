@@ -1,8 +1,9 @@
 """One flat float32 buffer for the gradients of a rank's parameters, reduced over data parallelism.
 
-Each parameter owns a slice of the buffer. A post-accumulate-grad hook adds the parameter's
-gradient into its slice and frees ``param.grad``, so gradients of bf16 parameters accumulate over
-micro-batches in float32 and never sit in memory twice.
+Each parameter owns a slice of the buffer. A post-accumulate-grad hook takes the parameter's
+gradient (``param.grad`` is freed) and, once a few are held, adds them into their slices in one
+launch (``engine.train.grad_accumulate``), so gradients of bf16 parameters accumulate over
+micro-batches in float32, and at most a group of them sits in memory twice.
 
 Data-parallel reduction: the buffer is cut into buckets of whole parameters, laid out in reverse
 registration order (roughly the order backward produces them). During the step's final backward,
@@ -29,7 +30,12 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from shardflow.engine.train.grad_accumulate import MAX_SOURCES, accumulate_into
 from shardflow.parallel import comm
+
+# Gradients held before their group is added: at most MAX_SOURCES, and a flush as soon as they hold
+# this many elements (bounds the memory they keep alive: 64 MiB of bf16).
+GROUP_NUMEL = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,8 @@ class GradBuffer:
         self._reported: set[str] = set()
         self._next = 0  # first bucket whose reduction has not started
         self._works: list = []
+        self._group: list[tuple[int, torch.Tensor]] = []  # (offset in flat, gradient) not yet added
+        self._group_numel = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in params.items()]
 
     # ----- layout helpers --------------------------------------------------------------------
@@ -126,17 +134,28 @@ class GradBuffer:
 
     def _make_hook(self, name: str):
         def hook(param: torch.Tensor) -> None:
-            self.views[name].add_(param.grad)
+            self._group.append((self.slices[name][0], param.grad))
+            self._group_numel += param.grad.numel()
             param.grad = None
+            if len(self._group) == MAX_SOURCES or self._group_numel >= GROUP_NUMEL:
+                self.flush()
             if self._final and name not in self._reported:
                 self._reported.add(name)
                 self._pending[self._bucket_of[name]] -= 1
                 self._start_ready()
         return hook
 
+    def flush(self) -> None:
+        """Add the gradients the hooks hold into the buffer."""
+        if self._group:
+            offsets, grads = zip(*self._group)
+            accumulate_into(self.flat, offsets, grads)
+            self._group, self._group_numel = [], 0
+
     def zero(self) -> None:
         """Clear the gradients before a step's first backward."""
         assert not self._works, "previous reduction still in flight"
+        self._group, self._group_numel = [], 0
         self.flat.zero_()
         self._final = False
 
@@ -154,6 +173,7 @@ class GradBuffer:
             self._start(self._next)
 
     def _start(self, index: int) -> None:
+        self.flush()  # the bucket's gradients, some maybe still held
         b = self.buckets[index]
         # asynchronous: backward continues
         if self.shards > 1 and not b.whole:
@@ -166,6 +186,7 @@ class GradBuffer:
 
     def finish_reduce(self) -> None:
         """Start the buckets that did not complete in backward (in order) and wait for all."""
+        self.flush()
         if self.dp_group is not None:
             while self._next < len(self.buckets):
                 self._start(self._next)
