@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import textwrap
 import threading
 import time
@@ -20,7 +21,7 @@ from shardflow.rl.envs.chat import ObservationFormat
 from shardflow.rl.envs.python_sandbox import python
 from shardflow.rl.envs.tools import ToolEnv, parse_hermes, tool_schema
 from shardflow.rl.rewards import reward_function, reward_terms
-from shardflow.rl.rewards.pooled import PooledRewards
+from shardflow.rl.rewards.pooled import WARM_UP_CHANNEL, PooledRewards, warm_up
 from shardflow.rl.workers import WorkerPool
 
 TOOLS = textwrap.dedent('''
@@ -228,6 +229,33 @@ def test_weighted_rewards_with_an_http_term_scored_in_the_pool(user_module, rewa
     assert "answered 500" in scores.first_error
     assert {name: sorted(values) for name, values in scores.terms.items()} == {"correct": [0.0, 1.0],
                                                                              "length": [1.0, 1.0]}
+
+
+def test_warm_up_builds_the_reward_in_every_worker_before_the_first_response(tmp_path, monkeypatch):
+    """Each worker imports the user's reward module once, at the warm-up; scoring imports nothing more."""
+    marks = tmp_path / "imported"
+    (tmp_path / "user_reward.py").write_text(textwrap.dedent(f'''
+        import os
+        with open({str(marks)!r}, "a") as f:
+            f.write(str(os.getpid()) + "\\n")
+
+        def length(prompts, responses, answers):
+            return [float(len(r)) for r in responses]
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    config = RewardConfig(kind="function", function="user_reward:length")
+    with WorkerPool(2) as pool:
+        warm_up(pool, config)
+        assert all(r.ok for r in collect(pool, WARM_UP_CHANNEL, 2).values())
+        pids = marks.read_text().split()
+        assert len(set(pids)) == 2  # one import in each worker
+        scorer = PooledRewards(pool, config)
+        for key, response in enumerate(["a", "bb", "ccc", "dddd"]):
+            scorer.submit(key, "p", response, None)
+        assert scorer.collect().rewards == {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}
+    workers = [pid for pid in marks.read_text().split() if pid != str(os.getpid())]  # the scorer's own weights
+    assert sorted(workers) == sorted(pids)
 
 
 def test_reward_terms_are_checked():

@@ -116,6 +116,13 @@ class WorkerPool:
         self._ensure_thread()
         os.write(self._wake_w, b"x")
 
+    def start(self) -> None:
+        """Start the workers now rather than at the first call, so that their start-up overlaps the
+        caller's own work."""
+        if self._closed:
+            raise RuntimeError("the worker pool is closed")
+        self._ensure_thread()
+
     def results(self, channel: str, *, wait: bool = False, timeout: float | None = None) -> list[Result]:
         """The results of ``channel`` finished so far (with ``wait``: at least one, unless nothing
         is outstanding there or ``timeout`` seconds pass)."""

@@ -42,6 +42,7 @@ from shardflow.runtime import checkpointing
 from shardflow.runtime.calls import CALL_KINDS
 from shardflow.runtime.calls.context import CallContext, CallReport, RunState, Sampling
 from shardflow.runtime.calls.data import Held, communication_groups, is_holder, join, push_outputs, source_share
+from shardflow.runtime.calls.rollouts import start_workers, uses_workers
 from shardflow.runtime.evaluation import evaluate
 from shardflow.runtime.loggers import config_sinks
 from shardflow.runtime.metrics import MetricsLogger
@@ -95,6 +96,10 @@ class Run:
         reward_fn = reward_function(config.reward) if scored else None
         self.state = RunState(tokenizer=tokenizer, eos_token_ids=eos + list(prepared.models["actor"].eos_token_ids),
                               reward_fn=reward_fn, kl=KLController.from_config(config.algorithm.kl))
+        if uses_workers(config) and any(world.rank in self.plan[c.name].layout
+                                        and self.plan[c.name].layout.coord(world.rank).tp == 0
+                                        for c in self.graph.calls if c.kind is Kind.GENERATE):
+            start_workers(config, self.state.worker_pool(config.rollout.workers))  # a replica's holder
         self.start_iteration = 0
 
         resume_dir = prepared.resume_dir

@@ -16,15 +16,35 @@ from shardflow.rl.rewards import reward_terms
 from shardflow.rl.workers import WorkerPool
 
 CHANNEL = "rewards"
+WARM_UP_CHANNEL = "rewards/warm-up"
 _TERMS: dict[str, dict] = {}  # in a worker: the built terms of each reward config, by its repr
+
+
+def _terms(config: RewardConfig) -> dict:
+    key = repr(config)
+    if key not in _TERMS:
+        _TERMS[key] = reward_terms(config)
+    return _TERMS[key]
 
 
 def score_texts(config: RewardConfig, prompt: str, response: str, answer: Any) -> dict[str, float]:
     """Every term's reward of one response (runs in a worker)."""
-    key = repr(config)
-    if key not in _TERMS:
-        _TERMS[key] = reward_terms(config)
-    return {name: float(fn([prompt], [response], [answer])[0]) for name, (_, fn) in _TERMS[key].items()}
+    return {name: float(fn([prompt], [response], [answer])[0]) for name, (_, fn) in _terms(config).items()}
+
+
+def prepare_terms(config: RewardConfig) -> None:
+    """Build the reward's terms (importing the users' modules) ahead of the first response (runs in a worker)."""
+    _terms(config)
+
+
+def warm_up(pool: WorkerPool, config: RewardConfig) -> None:
+    """Start the pool's workers and have each build the reward's terms now, beside the run's own
+    start, instead of when the first responses finish. Nothing collects these tasks: a term that
+    fails to build fails again, and is counted, when it scores."""
+    pool.start()
+    for worker in range(pool.size):
+        pool.call(WARM_UP_CHANNEL, worker, "shardflow.rl.rewards.pooled:prepare_terms", config,
+                  timeout_s=config.timeout_s, home=worker)
 
 
 @dataclass

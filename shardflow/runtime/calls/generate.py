@@ -31,7 +31,7 @@ from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
 from shardflow.perf.step_time import load_step_times
 from shardflow.runtime.calls.context import CallContext, Sampling
-from shardflow.runtime.calls.rollouts import CallRollouts, episode_output_limit, pooled_scoring, replica_share_fn
+from shardflow.runtime.calls.rollouts import CallRollouts, episode_output_limit, replica_share_fn, uses_workers
 
 
 def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int, device: torch.device) -> EngineConfig:
@@ -114,7 +114,7 @@ def adaptive_generator(world: World, model: Transformer, targets: Sequence[Layou
 def _rollouts(ctx: CallContext, max_seq_len: int) -> CallRollouts | None:
     """What runs beside decoding on this rank: on a replica's holder, with a worker pool."""
     config = ctx.config
-    if ctx.layout.coord(ctx.world.rank).tp != 0 or not (config.rollout.env or pooled_scoring(config)):
+    if ctx.layout.coord(ctx.world.rank).tp != 0 or not uses_workers(config):
         return None
     pool = ctx.state.worker_pool(config.rollout.workers)
     return CallRollouts(config, pool, ctx.state.tokenizer, ctx.prompts, max_seq_len)

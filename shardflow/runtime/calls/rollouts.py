@@ -26,7 +26,7 @@ from shardflow.rl.envs import EnvSpec
 from shardflow.rl.envs.chat import ObservationFormat
 from shardflow.rl.envs.client import EpisodeClient, EpisodeLimits
 from shardflow.rl.rewards import reward_kind
-from shardflow.rl.rewards.pooled import PooledRewards
+from shardflow.rl.rewards.pooled import PooledRewards, warm_up
 from shardflow.rl.workers import WorkerPool
 from shardflow.runtime.calls.context import CallReport
 
@@ -44,6 +44,20 @@ def episode_output_limit(config: ExperimentConfig) -> int:
 def pooled_scoring(config: ExperimentConfig) -> bool:
     """Whether rewards are scored in the worker pool during generation (else by the reward call)."""
     return config.rollout.workers > 0 and reward_kind(config.reward.kind).model is None
+
+
+def uses_workers(config: ExperimentConfig) -> bool:
+    """Whether a replica's holder runs work beside decoding in the worker pool."""
+    return bool(config.rollout.env) or pooled_scoring(config)
+
+
+def start_workers(config: ExperimentConfig, pool: WorkerPool) -> None:
+    """Start the pool before the first generate call, beside the run's own start (loading models);
+    with pooled scoring each worker builds the reward's terms then too."""
+    if pooled_scoring(config):
+        warm_up(pool, config.reward)
+    else:
+        pool.start()
 
 
 class CallRollouts:
