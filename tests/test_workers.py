@@ -63,6 +63,13 @@ TOOLS = textwrap.dedent('''
 
     def wrong_shape(*args):
         return "not a tuple"
+
+    class Unreadable:  # pickles in the worker, fails to unpickle in the caller
+        def __reduce__(self):
+            return (int, ("not a number",))
+
+    def unreadable():
+        return Unreadable()
 ''')
 
 
@@ -98,6 +105,15 @@ def test_a_task_that_hangs_raises_dies_or_prints_ends_and_the_pool_goes_on(user_
     assert not got["dies"].ok and "exited (code 3)" in got["dies"].value
     assert got["after"].ok and got["after"].value == "woke"
     assert pool.restarts == 2  # the hung worker and the dead one
+
+
+def test_an_answer_that_cannot_be_read_fails_its_task_and_the_pool_goes_on(user_module):
+    with WorkerPool(1) as pool:
+        pool.call("t", "bad", f"{user_module}:unreadable", timeout_s=5.0)
+        pool.call("t", "after", f"{user_module}:slow", 0, timeout_s=5.0)
+        got = collect(pool, "t", 2)
+    assert not got["bad"].ok and "ValueError" in got["bad"].value
+    assert got["after"].ok and got["after"].value == "woke"
 
 
 def test_episodes_live_in_their_worker_and_a_restart_loses_them(user_module):

@@ -237,8 +237,9 @@ class WorkerPool:
     def _receive(self, w: _Worker, selector, registered: dict[int, int]) -> None:
         try:
             frame = read_frame(w.results_fd)
-        except (OSError, ValueError) as e:
-            frame, problem = None, str(e)
+            answer = pickle.loads(frame) if frame is not None else None
+        except Exception as e:  # noqa: BLE001 - an unreadable answer fails its task, never this thread
+            frame, problem = None, f"{type(e).__name__}: {e}"
         else:
             problem = ""
         task = w.task
@@ -252,7 +253,7 @@ class WorkerPool:
                 why = problem or f"the worker process exited (code {code})"
                 self._finish(task, False, f"WorkerDied: {why}", time.monotonic() - w.started)
             return
-        _, ok, value, seconds = pickle.loads(frame)
+        _, ok, value, seconds = answer
         w.task = None
         if task is not None:
             self._finish(task, ok, value, seconds)
