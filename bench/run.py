@@ -58,11 +58,13 @@ SUITES: dict[str, tuple[Step, ...]] = {
         Step("iteration", 480, "iteration.py", ("--iterations", "3", "--trl-steps", "4", "--skip-planner"),
              ("iteration.json",)),
     ),
-    # the training step, the shared-prompt training call, the fused log-probabilities
+    # the training step, the shared-prompt training call, the fused log-probabilities, steps on
+    # lengths that change (rows of attention padded to multiples against exact lengths)
     "train": (
         Step("train_step", 120, "train_step.py", ("--steps", "5"), ("train_step.json",)),
         Step("shared_prompts", 240, "shared_prompts.py", (), ("shared_prompts.json",)),
         Step("token_stats", 60, "token_stats.py", (), ("token_stats.json",)),
+        Step("varied_lengths", 240, "varied_lengths.py", (), ("varied_lengths.json",)),
     ),
     # training attention: each kernel against its FLOPs, then the shared-prompt training call with
     # each packed kernel (samples as padded rows; the key gather and flash attention's variable-length

@@ -31,6 +31,7 @@ CASES = {  # script: (arguments, JSON it writes)
     "reward_pool.py": (["--responses", "16", "--workers", "1,2"], "reward_pool.json"),
     "optimizer_offload.py": (["--tiny"], "optimizer_offload.json"),
     "paged_kv.py": (["--tiny"], "paged_kv.json"),
+    "varied_lengths.py": (["--tiny"], "varied_lengths.json"),
 }
 
 

@@ -24,7 +24,8 @@ from shardflow.engine.shared_prompts import (
     split_rows,
 )
 from shardflow.models.checkpoint import load_model
-from shardflow.models.packed_attention import PackedSequences, attend_rows, gather_keys, packed_attention
+from shardflow.models.packed_attention import (LENGTH_MULTIPLE, ROWS_MULTIPLE, PackedSequences, attend_rows, gather_keys,
+                                               packed_attention)
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
 
@@ -153,11 +154,15 @@ def packed_micro_batch(prompts: int, samples: int, seed: int):
 def test_rows_hold_each_sample_and_take_each_query_from_one_row():
     # a prompt [0, 1] read by itself and by two samples [2, 3] and [4]; a lone prompt [5]
     seqs = PackedSequences.build(torch.tensor([0, 1, 0, 1, 2, 3, 0, 1, 4, 5]), [2, 2, 1, 1], [2, 4, 3, 1])
-    rows = seqs.rows
-    assert rows.length == 4 and rows.gather.index.view(3, 4).tolist() == [[0, 1, 2, 3], [0, 1, 4, 0], [5, 0, 0, 0]]
+    rows, L = seqs.rows, LENGTH_MULTIPLE
+    # three rows of 4 keys, padded (token 0) to a multiple of LENGTH_MULTIPLE slots, and rows of
+    # padding to a multiple of ROWS_MULTIPLE: attention meets few distinct shapes
+    assert rows.length == L and rows.gather.index.view(-1, L).shape[0] == ROWS_MULTIPLE
+    assert rows.gather.index.view(-1, L)[:3, :4].tolist() == [[0, 1, 2, 3], [0, 1, 4, 0], [5, 0, 0, 0]]
+    assert rows.gather.index.view(-1, L)[:, 4:].eq(0).all() and rows.gather.index.view(-1, L)[3:].eq(0).all()
     # the prompt's queries ride in its first sample's row; every other query sits at its own key slot
-    assert rows.query_slot.tolist() == [0, 1, 2, 3, 6, 8]
-    assert rows.pairs == 3 * 10 and seqs.pairs == 3 + 7 + 3 + 1
+    assert rows.query_slot.tolist() == [0, 1, 2, 3, L + 2, 2 * L]
+    assert rows.pairs == ROWS_MULTIPLE * L * (L + 1) // 2 and seqs.pairs == 3 + 7 + 3 + 1
     assert seqs.use_rows(torch.device("cpu")) is False  # auto: no cuDNN kernel here
     # keys whose last slots are not the sequence's own queries have no rows
     assert PackedSequences.build(torch.tensor([0, 1, 2, 0, 1]), [2, 1], [2, 3]).rows is None

@@ -9,17 +9,20 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from planner_cases import tiny
 from train_reference import TokenLoss, make_batch
 
 from shardflow.config.experiment import OptimConfig
 from shardflow.data.batch import SequenceBatch
-from shardflow.engine.micro_batches import split_by_tokens
+from shardflow.engine.micro_batches import make_micro_batches, padded_width, split_by_tokens
+from shardflow.engine.outputs import token_outputs
 from shardflow.engine.train.engine import TrainEngine
 from shardflow.engine.train.optimizer import AdamW, check_schedule, lr_at
 from shardflow.models.checkpoint import load_model
 from shardflow.models.token_stats import head_logprobs_and_entropy
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
+from shardflow.profiler.measure import one_layer_model
 
 # ----- micro-batches -------------------------------------------------------------------------
 
@@ -40,6 +43,36 @@ def test_micro_batches_cover_every_sequence_once_within_budget(lengths, budget, 
 def test_micro_batches_sort_by_length_for_tight_padding():
     assert split_by_tokens([5, 9, 3, 9, 2, 7], 20) == [[1, 3], [5, 0], [2, 4]]
     assert split_by_tokens(torch.tensor([4, 4, 4]), 8, min_micro_batches=3) == [[0], [1], [2]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 150), min_size=1, max_size=30), budget=st.integers(150, 600),
+       pad=st.sampled_from([8, 64]))
+def test_micro_batches_padded_to_a_multiple_stay_within_budget(lengths, budget, pad):
+    """Rows padded to a multiple (GPUs: few attention shapes) count their padding in the budget."""
+    parts = split_by_tokens(lengths, budget, pad_multiple=pad)
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+    for part in parts:
+        longest = max(lengths[i] for i in part)
+        width = padded_width(longest, pad, budget)
+        assert len(part) * width <= budget and longest <= width
+        assert width % pad == 0 or width == budget
+
+
+def test_rows_padded_to_a_multiple_give_the_same_outputs():
+    """A micro-batch padded past its longest sequence: every token's log-probability unchanged."""
+    cfg = tiny("qwen3", tie_word_embeddings=True)
+    model = one_layer_model(cfg, 1, torch.device("cpu"), torch.float32)
+    batch = make_batch(cfg.vocab_size, num=5, seed=2)
+    groups = split_by_tokens(batch.lengths, 200)
+    outputs = []
+    for pad in (1, 64):
+        mb = make_micro_batches(batch, groups, torch.device("cpu"), outputs_at="loss_mask", pad_multiple=pad,
+                                max_tokens=200)[0]
+        assert mb.ids.shape[1] == (int(batch.lengths[groups[0]].max()) if pad == 1 else 64)
+        with torch.no_grad():
+            outputs.append(token_outputs(model, model(mb.ids, mb.positions), mb, ("logprobs",))["logprobs"])
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
 
 
 def test_micro_batch_budget_below_a_sequence_is_named():

@@ -4,7 +4,9 @@ A model call pads each micro-batch to its longest sequence, so the budget counts
 ``len(micro_batch) * longest <= max_tokens``. Sorting by length (longest first) keeps the padding
 tight; cutting the sorted order into maximal runs gives the fewest micro-batches a contiguous
 split of that order can have. Ties keep their input order, so the split is deterministic and
-every rank of a replica, given the same lengths, computes the same one.
+every rank of a replica, given the same lengths, computes the same one. With ``pad_multiple`` (GPUs:
+``models.packed_attention.LENGTH_MULTIPLE``) the rows are padded further, to a multiple of it
+within the budget, so that attention meets few distinct shapes.
 """
 
 from __future__ import annotations
@@ -18,8 +20,14 @@ from shardflow.data.batch import SequenceBatch
 from shardflow.models.packed_attention import PackedSequences
 
 
+def padded_width(longest: int, pad_multiple: int, max_tokens: int) -> int:
+    """The row width of a micro-batch whose longest sequence is ``longest``: rounded up to a
+    multiple of ``pad_multiple``, but not past the budget."""
+    return max(longest, min(-(-longest // pad_multiple) * pad_multiple, max_tokens))
+
+
 def split_by_tokens(lengths: Sequence[int] | torch.Tensor, max_tokens: int, *,
-                    min_micro_batches: int = 1) -> list[list[int]]:
+                    min_micro_batches: int = 1, pad_multiple: int = 1) -> list[list[int]]:
     """Indices (into ``lengths``) of each micro-batch, longest sequences first.
 
     ``min_micro_batches`` asks for at least that many micro-batches (as many as there are
@@ -42,11 +50,11 @@ def split_by_tokens(lengths: Sequence[int] | torch.Tensor, max_tokens: int, *,
             f"sequence {order[0]} has {longest} tokens, more than the micro-batch budget of "
             f"{max_tokens} tokens; raise the budget to at least the longest sequence"
         )
-    sorted_lengths = [lengths[i] for i in order]
-    runs = _cut(sorted_lengths, max_tokens)
+    widths = [padded_width(n, pad_multiple, max_tokens) for n in (lengths[i] for i in order)]
+    runs = _cut(widths, max_tokens)
     while len(runs) < min(min_micro_batches, len(lengths)):
         # Halve the most expensive run that has two or more sequences (the first on ties).
-        cost = [(b - a) * sorted_lengths[a] if b - a > 1 else -1 for a, b in runs]
+        cost = [(b - a) * widths[a] if b - a > 1 else -1 for a, b in runs]
         j = cost.index(max(cost))
         a, b = runs[j]
         mid = a + (b - a + 1) // 2
@@ -54,12 +62,12 @@ def split_by_tokens(lengths: Sequence[int] | torch.Tensor, max_tokens: int, *,
     return [[order[i] for i in range(a, b)] for a, b in runs]
 
 
-def _cut(sorted_lengths: list[int], budget: int) -> list[tuple[int, int]]:
-    """Maximal runs ``[a, b)`` of a longest-first list with ``(b - a) * longest <= budget``."""
+def _cut(widths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Maximal runs ``[a, b)`` of a widest-first list of row widths with ``(b - a) * widest <= budget``."""
     runs, a = [], 0
-    while a < len(sorted_lengths):
-        per_batch = budget // sorted_lengths[a]  # the first of a run is its longest
-        b = min(a + per_batch, len(sorted_lengths))
+    while a < len(widths):
+        per_batch = budget // widths[a]  # the first of a run is its widest
+        b = min(a + per_batch, len(widths))
         runs.append((a, b))
         a = b
     return runs
@@ -92,8 +100,10 @@ class MicroBatch:
 
 
 def make_micro_batches(batch: SequenceBatch, groups: list[list[int]], device: torch.device, *,
-                       outputs_at: str | None = None) -> list[MicroBatch]:
-    """The micro-batches of ``batch`` holding the sequences of each group, on ``device``.
+                       outputs_at: str | None = None, pad_multiple: int = 1,
+                       max_tokens: int | None = None) -> list[MicroBatch]:
+    """The micro-batches of ``batch`` holding the sequences of each group, on ``device``, each
+    padded to its longest sequence rounded up to ``pad_multiple`` (within ``max_tokens``).
 
     ``outputs_at``: a token field of ``batch`` (e.g. ``loss_mask``) whose nonzero tokens are the
     only ones whose per-token outputs are wanted, so that the model's head runs on their hidden
@@ -102,7 +112,8 @@ def make_micro_batches(batch: SequenceBatch, groups: list[list[int]], device: to
     out = []
     for group in groups:
         mb = batch.select(group)
-        ids = mb.padded("input_ids")  # [B,T]
+        longest = int(mb.lengths.max())
+        ids = mb.padded("input_ids", length=padded_width(longest, pad_multiple, max_tokens or longest))  # [B,T]
         width = ids.shape[1]
         rows = torch.repeat_interleave(torch.arange(len(mb)), mb.lengths)  # [num_tokens]
         cols = torch.arange(mb.num_tokens) - torch.repeat_interleave(mb.offsets[:-1], mb.lengths)

@@ -19,7 +19,7 @@ import torch
 
 from shardflow.data.batch import SequenceBatch
 from shardflow.engine.micro_batches import MicroBatch, make_micro_batches, split_by_tokens, wanted_outputs
-from shardflow.models.packed_attention import PackedSequences
+from shardflow.models.packed_attention import LENGTH_MULTIPLE, PackedSequences
 from shardflow.perf.sharing import MIN_SAVING
 
 
@@ -31,7 +31,8 @@ def plan_micro_batches(batch: SequenceBatch, max_tokens: int, device: torch.devi
     ``MIN_SAVING`` of the padded rows' tokens, else padded rows (``micro_batches``). ``attention``:
     the shared rows' kernel (``models.packed_attention``)."""
     lengths = batch.lengths.tolist()
-    groups = split_by_tokens(lengths, max_tokens, min_micro_batches=min_micro_batches)
+    pad = LENGTH_MULTIPLE if device.type == "cuda" else 1  # few shapes for cuDNN's attention plans
+    groups = split_by_tokens(lengths, max_tokens, min_micro_batches=min_micro_batches, pad_multiple=pad)
     if share_prompts and outputs_at is not None:
         rows = group_by_prompt(batch, outputs_at)
         if any(len(row.samples) > 1 for row in rows):
@@ -41,7 +42,8 @@ def plan_micro_batches(batch: SequenceBatch, max_tokens: int, device: torch.devi
             if shared <= (1 - MIN_SAVING) * padded:
                 return [samples_of(run) for run in runs], make_shared_micro_batches(
                     batch, runs, device, outputs_at=outputs_at, attention=attention)
-    return groups, make_micro_batches(batch, groups, device, outputs_at=outputs_at)
+    return groups, make_micro_batches(batch, groups, device, outputs_at=outputs_at, pad_multiple=pad,
+                                      max_tokens=max_tokens)
 
 
 @dataclass(frozen=True)

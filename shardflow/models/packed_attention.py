@@ -39,6 +39,14 @@ KERNELS = ("auto", "rows", "varlen")
 # 1.9x on the GRPO iteration's micro-batch, 1.85x on 1224-token sequences. Rows win while their
 # padding costs less than that.
 ROWS_SPEEDUP = 1.8
+# cuDNN's attention builds a plan for every new shape it meets: about 90 ms (forward and backward,
+# an H200) against about 1 ms for the call itself at the GRPO micro-batch's shape. Rows of attention
+# on a GPU (the rows kernel's, and padded micro-batches') are therefore as long as a multiple of
+# LENGTH_MULTIPLE, and the rows kernel's rows as many as a multiple of ROWS_MULTIPLE: shapes then
+# repeat across micro-batches and iterations, and each plan is built once. Padding is cheap beside
+# that: causal attention skips what follows a row's real tokens, and no query reads padding.
+LENGTH_MULTIPLE = 64
+ROWS_MULTIPLE = 4
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,8 @@ class _Gather(torch.autograd.Function):
 @dataclass(frozen=True)
 class Rows:
     """The sequences as rows of their key tokens for the ``rows`` kernel: ``gather`` makes the
-    [R * length] row slots (padding after each row's tokens reads token 0, seen by no real query),
+    [R * length] row slots (padding after each row's tokens, and whole rows of it to make R and
+    length multiples of ROWS_MULTIPLE and LENGTH_MULTIPLE, read token 0, seen by no real query),
     ``query_slot`` is the slot holding each packed token's query."""
 
     gather: Gather
@@ -114,8 +123,9 @@ class Rows:
                                 and torch.equal(keys[t][:lq], keys[s])), s)
         rows = [s for s in range(len(q_lens)) if host.get(s, s) == s]
         row_of = {s: r for r, s in enumerate(rows)}
-        length = max(k_lens[s] for s in rows)
-        index = torch.zeros(len(rows), length, dtype=torch.long)
+        length = -(-max(k_lens[s] for s in rows) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+        count = -(-len(rows) // ROWS_MULTIPLE) * ROWS_MULTIPLE  # rows past the sequences' are all padding
+        index = torch.zeros(count, length, dtype=torch.long)
         for r, s in enumerate(rows):
             index[r, :k_lens[s]] = keys[s]
         query_slot = torch.empty(cu_q[-1], dtype=torch.long)
@@ -123,8 +133,7 @@ class Rows:
             r = row_of[host.get(s, s)]
             at = r * length + (lk - lq if host.get(s, s) == s else 0)
             query_slot[cu_q[s]:cu_q[s] + lq] = torch.arange(at, at + lq)
-        return cls(Gather.build(index.flatten(), cu_q[-1]), length, query_slot,
-                   len(rows) * length * (length + 1) // 2)
+        return cls(Gather.build(index.flatten(), cu_q[-1]), length, query_slot, count * length * (length + 1) // 2)
 
     def to(self, device: torch.device | str) -> "Rows":
         return Rows(self.gather.to(device), self.length, self.query_slot.to(device), self.pairs)
