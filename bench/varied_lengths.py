@@ -1,7 +1,7 @@
 """Training steps on batches whose lengths change from step to step, as RL's responses do: rows of
 attention padded to multiples (the default on GPUs) against rows at their exact lengths.
 
-    python bench/varied_lengths.py --out runs/bench-varied          # GPU: Qwen3-1.7B shape
+    python bench/varied_lengths.py --out runs/bench-varied          # GPU: Qwen3-1.7B shape, 16 x 8 samples
     python bench/varied_lengths.py --out runs/bench-varied --tiny   # any machine: a tiny shape
 
 cuDNN's attention builds a plan for every shape it has not met (``models.packed_attention``): a
@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
-    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--response-tokens", type=lambda t: tuple(int(v) for v in t.split(",")), default=(128, 512),
