@@ -64,6 +64,7 @@ SUITES: dict[str, tuple[Step, ...]] = {
         Step("train_step", 120, "train_step.py", ("--steps", "5"), ("train_step.json",)),
         Step("shared_prompts", 240, "shared_prompts.py", (), ("shared_prompts.json",)),
         Step("token_stats", 60, "token_stats.py", (), ("token_stats.json",)),
+        Step("attention_plans", 60, "attention_plans.py", (), ("attention_plans.json",)),
         Step("varied_lengths", 240, "varied_lengths.py", (), ("varied_lengths.json",)),
     ),
     # training attention: each kernel against its FLOPs, then the shared-prompt training call with

@@ -32,6 +32,7 @@ CASES = {  # script: (arguments, JSON it writes)
     "optimizer_offload.py": (["--tiny"], "optimizer_offload.json"),
     "paged_kv.py": (["--tiny"], "paged_kv.json"),
     "varied_lengths.py": (["--tiny"], "varied_lengths.json"),
+    "attention_plans.py": (["--tiny"], "attention_plans.json"),
 }
 
 
