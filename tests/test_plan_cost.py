@@ -129,6 +129,10 @@ def test_shared_prompts_run_a_groups_prompt_once():
         assert costs[w].train(cfg, layout, 1) == pytest.approx(
             cfg.num_layers * (3e-6 * tokens + packed + backward) + 1.5e-6 * 32 * 200
             + 1e-12 * mem.rank_params(cfg, 1, 1))
+    # a model with a sliding window shares nothing in the runtime: charged as the padded rows
+    windowed = dataclasses.replace(cfg, sliding_windows=(64,) * cfg.num_layers)
+    assert costs[shared].train(windowed, layout, 1) == pytest.approx(costs[padded].train(windowed, layout, 1))
+    assert costs[shared].inference(windowed, layout, 1) == pytest.approx(costs[padded].inference(windowed, layout, 1))
 
 
 def test_prompt_kv_sharing_reads_a_groups_prompt_once():

@@ -171,7 +171,7 @@ class CostModel:
         shared prompts the micro-batch holds a prompt once, but its attention runs over rows that
         hold each sample's prompt again (``models.packed_attention``): charged at those slots."""
         w = self.workload
-        if w.model_tokens < w.mean_tokens:
+        if w.model_tokens_of(cfg) < w.mean_tokens:
             slots = tokens * w.mean_tokens / w.model_tokens
             packed = self.ops.packed_layer_backward if backward else self.ops.packed_layer_forward
             return packed(cfg, tp, tokens, slots, w.attention_length)
@@ -187,10 +187,10 @@ class CostModel:
 
             def stage(mb: float) -> float:
                 per_layer = self._layer(cfg, layout.tp, mb) + 2 * self._tp_all_reduce(cfg, layout, mb)
-                head = self.ops.head_forward(cfg, layout.tp, mb * w.response_share)  # at response tokens
+                head = self.ops.head_forward(cfg, layout.tp, mb * w.response_share_of(cfg))  # at response tokens
                 return layers * per_layer + head + self._stage_send(cfg, layout, mb)
 
-            tokens = self.replica_sequences(layout) * w.model_tokens
+            tokens = self.replica_sequences(layout) * w.model_tokens_of(cfg)
             # pipeline fill and drain: k + pp - 1 slots of the slowest stage
             self._cache[key] = (micro_batches + layout.pp - 1) * stage(tokens / micro_batches)
         return self._cache[key]
@@ -211,11 +211,11 @@ class CostModel:
                 passes = 3 if checkpointing else 2  # all-reduce pairs: forward, backward, recompute
                 per_layer = fwd * (2 if checkpointing else 1) + bwd
                 per_layer += 2 * passes * self._tp_all_reduce(cfg, layout, mb)
-                heads = mb * w.response_share  # the head runs at response tokens only
+                heads = mb * w.response_share_of(cfg)  # the head runs at response tokens only
                 head = self.ops.head_forward(cfg, layout.tp, heads) + self.ops.head_backward(cfg, layout.tp, heads)
                 return layers * per_layer + head + 2 * self._stage_send(cfg, layout, mb)
 
-            tokens = self.replica_sequences(layout, w.train_steps) * w.model_tokens
+            tokens = self.replica_sequences(layout, w.train_steps) * w.model_tokens_of(cfg)
             pipeline = (micro_batches + layout.pp - 1) * stage(tokens / micro_batches)  # 1F1B
             params = rank_params(cfg, layout.pp, layout.tp)
             dp_group, p = layout.dp_group(layout.ranks[0]), self.precision

@@ -101,14 +101,15 @@ class Problem:
         return math.ceil(self.workload.sequences / (layout.dp * self.steps(call)))
 
     def tokens_per_micro_batch(self, call: Call, layout: AnyLayout, micro_batches: int | None) -> float:
-        return self.replica_sequences(call, layout) * self.workload.model_tokens / (micro_batches or 1)
+        return (self.replica_sequences(call, layout) * self.workload.model_tokens_of(self.models[call.model])
+                / (micro_batches or 1))
 
     def default_micro_batches(self, call: Call, layout: Layout) -> int | None:
         """What the runtime picks without a plan value: enough micro-batches to respect the token
         budget, and at least one per pipeline stage."""
         if call.kind is Kind.GENERATE:
             return None
-        tokens = self.replica_sequences(call, layout) * self.workload.model_tokens
+        tokens = self.replica_sequences(call, layout) * self.workload.model_tokens_of(self.models[call.model])
         k = max(math.ceil(tokens / self.workload.micro_batch_tokens), layout.pp)
         return min(k, self.replica_sequences(call, layout))
 

@@ -14,6 +14,7 @@ from functools import cached_property, lru_cache
 from statistics import NormalDist
 
 from shardflow.config.experiment import ExperimentConfig
+from shardflow.config.model import ModelConfig
 from shardflow.perf.sharing import MIN_SAVING
 
 
@@ -80,10 +81,14 @@ class Workload:
         saved = self.prompt_tokens * (1 - 1 / self.samples_per_prompt) if self.share_prompts else 0.0
         return self.mean_tokens - saved if saved >= MIN_SAVING * self.mean_tokens else self.mean_tokens
 
-    @property
-    def response_share(self) -> float:
-        """Response tokens / model tokens: the share of positions where RL calls run the LM head."""
-        return (self.mean_tokens - self.prompt_tokens) / self.model_tokens
+    def model_tokens_of(self, cfg: ModelConfig) -> float:
+        """``model_tokens`` for a model of shape ``cfg``: the runtime shares no prompt in a model with
+        a sliding window anywhere."""
+        return self.mean_tokens if any(cfg.sliding_windows) else self.model_tokens
+
+    def response_share_of(self, cfg: ModelConfig) -> float:
+        """Response tokens / model tokens of ``cfg``: the share of positions where RL calls run the LM head."""
+        return (self.mean_tokens - self.prompt_tokens) / self.model_tokens_of(cfg)
 
     @property
     def attention_length(self) -> float:
