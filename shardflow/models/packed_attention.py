@@ -43,8 +43,8 @@ ROWS_SPEEDUP = 1.8
 # an H200) against about 1 ms for the call itself at the GRPO micro-batch's shape. Rows of attention
 # on a GPU (the rows kernel's, and padded micro-batches') are therefore as long as a multiple of
 # LENGTH_MULTIPLE, and the rows kernel's rows as many as a multiple of ROWS_MULTIPLE: shapes then
-# repeat across micro-batches and iterations, and each plan is built once. Padding is cheap beside
-# that: causal attention skips what follows a row's real tokens, and no query reads padding.
+# repeat across micro-batches and iterations, and each plan is built once. The padding costs less:
+# at most 63 positions after a row's real tokens (no real query reads them) and at most 3 rows.
 LENGTH_MULTIPLE = 64
 ROWS_MULTIPLE = 4
 
