@@ -235,3 +235,53 @@ def test_compiled_layers_run_packed_rows_alike(checkpoints):
     before = counters["stats"]["unique_graphs"]
     torch.testing.assert_close(run(compiled, 60), run(eager, 60), atol=1e-5, rtol=0)
     assert counters["stats"]["unique_graphs"] == before
+
+
+def test_compiled_layers_trace_the_rows_kernel_into_one_graph(checkpoints):
+    """With the rows kernel a compiled layer is one graph forward and backward (the gathers fuse with
+    the kernels around them): its outputs and parameter gradients are the eager masked attention's,
+    nothing breaks the graph, and micro-batches of other sizes compile nothing new."""
+    from torch._dynamo.utils import counters
+
+    path = checkpoints.get("qwen3_qknorm", "qwen3", tie_word_embeddings=True)
+    world = World(rank=0, size=1, device=torch.device("cpu"), backend="gloo")
+    layout = Layout((0,))
+    eager, _ = load_model(path, layout, world)
+    compiled, _ = load_model(path, layout, world)
+    assert compiled.compile_layers()
+    batch = make_group_batch(128, prompts=3, samples=3, seed=6)
+    runs = split_rows(group_by_prompt(batch, "loss_mask"), batch.lengths.tolist(), 1000)
+    (mb,) = make_shared_micro_batches(batch, runs, torch.device("cpu"), outputs_at="loss_mask", attention="rows")
+    (reference,) = make_shared_micro_batches(batch, runs, torch.device("cpu"), outputs_at="loss_mask")
+    assert not reference.packed.use_rows(torch.device("cpu"))  # auto here: the masked attention
+
+    def step(model, micro_batch):
+        hidden = model(micro_batch.ids, micro_batch.positions, packed=micro_batch.packed)
+        weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
+        (hidden * weights).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return hidden.detach(), grads
+
+    breaks, frames = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    got, got_grads = step(compiled, mb)
+    assert counters["stats"]["unique_graphs"] == frames + 1  # the layer, whole
+    want, want_grads = step(eager, reference)
+    assert sum(counters["graph_break"].values()) == breaks
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert got_grads.keys() == want_grads.keys() and any("q_proj" in name for name in got_grads)
+    for name in got_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-4, rtol=1e-4, msg=name)
+    # another micro-batch: other lengths, row counts and repeated slots
+    graphs, shape = counters["stats"]["unique_graphs"], mb.packed.rows.gather.index.shape
+    batch = make_group_batch(128, prompts=4, samples=2, seed=7)
+    runs = split_rows(group_by_prompt(batch, "loss_mask"), batch.lengths.tolist(), 1000)
+    (mb,) = make_shared_micro_batches(batch, runs, torch.device("cpu"), outputs_at="loss_mask", attention="rows")
+    (reference,) = make_shared_micro_batches(batch, runs, torch.device("cpu"), outputs_at="loss_mask")
+    assert mb.packed.rows.gather.index.shape != shape and mb.ids.shape[1] != got.shape[1]
+    got, got_grads = step(compiled, mb)
+    want, want_grads = step(eager, reference)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    for name in got_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-4, rtol=1e-4, msg=name)
+    assert counters["stats"]["unique_graphs"] == graphs
