@@ -1,10 +1,13 @@
-"""A compiler failure costs speed, never the run: the function runs eager, with a logged warning."""
+"""A compiler failure costs speed, never the run: the function runs eager, with a logged warning. The
+compile cache and the compile workers started at setup."""
 
+import os
 import re
 
 import pytest
 import torch
 
+from shardflow.engine.compile_cache import start_compile_workers, use_compile_cache
 from shardflow.engine.compile_fallback import compiled_or_eager
 
 
@@ -44,3 +47,20 @@ def test_past_the_recompile_limit_the_function_runs_eager_and_says_so(caplog):
         # a second variant (another dtype) is past the limit: a warning, not a silent eager run
         assert torch.equal(run(torch.ones(3, dtype=torch.float64)), torch.full((3,), 2.0, dtype=torch.float64))
         assert re.search("torch.compile of the doubler failed.*[Rr]ecompile", caplog.text)
+
+
+def test_the_compile_cache_goes_where_the_run_says_and_workers_start_early(tmp_path, monkeypatch):
+    from torch._inductor.async_compile import AsyncCompile
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    assert use_compile_cache("") is None
+    assert use_compile_cache(str(tmp_path / "cache")) == tmp_path / "cache"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+    assert torch._inductor.config.fx_graph_cache
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 2)
+    assert start_compile_workers()
+    AsyncCompile.wait_pool_ready(timeout=120)  # raises if the workers never come up
+    assert AsyncCompile.use_process_pool()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch._dynamo.utils
+from torch._inductor.async_compile import AsyncCompile
 
 
 def use_compile_cache(directory: str) -> Path | None:
@@ -31,6 +32,18 @@ def use_compile_cache(directory: str) -> Path | None:
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
     return root
+
+
+def start_compile_workers() -> bool:
+    """Start inductor's compile workers now, in the background; False where this torch or its
+    settings compile in the calling process."""
+    warm = getattr(AsyncCompile, "warm_pool", None)  # private: a torch may lack them
+    ready = getattr(AsyncCompile, "use_process_pool", None)
+    if warm is None or ready is None:
+        return False
+    warm()
+    ready()  # its first call submits the job that tells when the workers are up
+    return True
 
 
 def compile_seconds() -> float:

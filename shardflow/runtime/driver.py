@@ -32,7 +32,7 @@ from shardflow.data.batch import SequenceBatch
 from shardflow.data.prompts import PromptSampler, completion_batch
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
 from shardflow.engine.adaptive.trace import GenerationTrace, plot_trace
-from shardflow.engine.compile_cache import compile_seconds, use_compile_cache
+from shardflow.engine.compile_cache import compile_seconds, start_compile_workers, use_compile_cache
 from shardflow.models.checkpoint import save_checkpoint
 from shardflow.parallel.world import World
 from shardflow.rl.advantages import KLController
@@ -83,6 +83,7 @@ class Run:
         seed_everything(config.run.seed + world.rank)
         if world.device.type == "cuda":  # where torch.compile runs
             use_compile_cache(config.run.compile_cache)
+            start_compile_workers()
         world.create_groups(self.plan.layouts())
         world.groups.create(communication_groups(self.graph, self.plan))
 
