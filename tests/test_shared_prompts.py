@@ -285,3 +285,29 @@ def test_compiled_layers_trace_the_rows_kernel_into_one_graph(checkpoints):
     for name in got_grads:
         torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-4, rtol=1e-4, msg=name)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compile_layers_tries_the_traced_rows_kernel_where_it_runs(checkpoints, monkeypatch, caplog):
+    """Where half-precision attention takes the rows kernel (a GPU; here made to think so), the
+    compiled layer is tried on packed sequences at setup; if that fails, packed forwards run eager
+    and plain ones stay compiled."""
+    import shardflow.models.packed_attention as pa
+    import shardflow.models.transformer
+
+    monkeypatch.setattr(shardflow.models.transformer, "rows_by_default", lambda device: True)
+    path = checkpoints.get("qwen3_qknorm", "qwen3", tie_word_embeddings=True)
+    world = World(rank=0, size=1, device=torch.device("cpu"), backend="gloo")
+    model, _ = load_model(path, Layout((0,)), world, torch.bfloat16)
+    assert model.compile_layers() and model._compiled_packed
+    seqs = PackedSequences.build(torch.arange(3), [3], [3])
+    assert model.layer_fn(None, seqs) is model.layer_fn(None) is model._compiled_layer
+
+    def broken(*args):
+        raise RuntimeError("no kernel for this")
+
+    monkeypatch.setattr(pa, "attend_rows", broken)
+    torch._dynamo.reset()  # the compiled code of the first model would serve again
+    model, _ = load_model(path, Layout((0,)), world, torch.bfloat16)
+    assert not model.compile_layers()
+    assert "packed sequences' forward failed, running it eager" in caplog.text and "no kernel for this" in caplog.text
+    assert model.layer_fn(None) is model._compiled_layer and model.layer_fn(None, seqs) is not model._compiled_layer

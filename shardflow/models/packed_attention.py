@@ -194,8 +194,7 @@ class PackedSequences:
         """Whether half-precision attention on ``device`` runs the ``rows`` kernel (see the module's note)."""
         if self.kernel != "auto":
             return self.kernel == "rows"
-        return (self.rows is not None and self.rows.pairs <= ROWS_SPEEDUP * self.pairs
-                and _cudnn_attention(device))
+        return self.rows is not None and self.rows.pairs <= ROWS_SPEEDUP * self.pairs and rows_by_default(device)
 
 
 def gather_keys(x: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
@@ -243,6 +242,11 @@ class _Select(torch.autograd.Function):
         (slot_query,) = ctx.saved_tensors
         with_zero = torch.cat([grad, grad.new_zeros(1, *grad.shape[1:])])
         return with_zero.index_select(0, slot_query), None, None
+
+
+def rows_by_default(device: torch.device) -> bool:
+    """Whether ``auto`` picks the rows kernel on ``device`` for sequences that its padding suits."""
+    return _cudnn_attention(device)
 
 
 @lru_cache(maxsize=None)
