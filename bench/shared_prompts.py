@@ -8,8 +8,9 @@ rows: parity on this device, then the training call's time on the GRPO iteration
 
 1. parity: a small random Qwen3 (q/k norms, GQA) computes log-probabilities of prompts with several
    samples of different lengths, and takes one training step, with padded rows and with shared
-   prompts, in the run's dtype (bf16 on GPU, where shared rows run each packed attention kernel:
-   samples as padded rows, and the key gather with flash attention's variable-length kernel)
+   prompts, in the run's dtype (bf16 on GPU, compiled layers, where shared rows run each packed
+   attention kernel: samples as padded rows, and the key gather with flash attention's
+   variable-length kernel)
    and in float32 with padded rows as the reference. The shared rows' error against the reference
    must stay within 1.5x of the padded rows' own (plus a floor of bf16 noise), for the
    log-probabilities and for the gradient, and the shared rows must hold fewer tokens; the script
@@ -108,6 +109,8 @@ def parity(work: Path, device: torch.device, dtype: torch.dtype) -> dict:
 
     def run(run_dtype: torch.dtype, share: bool, kernel: str = "auto"):
         model, _ = load_model(path, layout, world, dtype=run_dtype)
+        if device.type == "cuda":  # as the runtime runs it: the rows kernel traced into the compiled layers
+            model.compile_layers()
         logprobs = infer(model, layout, world, batch, "logprobs", micro_batch_tokens=1024, outputs_at="loss_mask",
                          share_prompts=share, attention=kernel).token_fields["logprobs"].float().cpu()
         engine = TrainEngine(model, layout, world, OptimConfig(lr=1e-3, grad_clip=0.0))
@@ -129,8 +132,8 @@ def parity(work: Path, device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def kernels(device: torch.device) -> tuple[str, ...]:
-    """The packed attention kernels to compare: on CPU every kernel is the same masked attention."""
-    return ("varlen", "rows") if device.type == "cuda" else ("auto",)
+    """The packed attention kernels to compare: on CPU ``varlen`` is the masked attention."""
+    return ("varlen", "rows") if device.type == "cuda" else ("auto", "rows")
 
 
 def attention(device: torch.device, dtype: torch.dtype, shape: dict, args) -> dict:
