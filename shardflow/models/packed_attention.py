@@ -20,9 +20,8 @@ Kernels (``kernel`` of ``PackedSequences``), on CUDA in half precision:
   variable-length kernel: no padding, nothing computed twice.
 - ``auto``: ``rows`` where attention runs cuDNN's kernel (compute capability 9.0 and up) and the
   rows' padded pairs are at most ``ROWS_SPEEDUP`` times the sequences' own, else ``varlen``.
-``rows`` asked for runs on any device and dtype; ``varlen`` and ``auto`` elsewhere than a GPU in half
-precision run one masked ``scaled_dot_product_attention`` over the sequences padded to the longest.
-Only ``rows`` is traced by ``torch.compile``: its gathers fuse into the kernels around them.
+Elsewhere (CPU, float32) every kernel is one masked ``scaled_dot_product_attention`` over the
+sequences padded to the longest.
 """
 
 from __future__ import annotations
@@ -52,66 +51,56 @@ ROWS_MULTIPLE = 4
 
 @dataclass(frozen=True)
 class Gather:
-    """``x[index]`` for packed tokens ``x`` [N, ...] and an ``index`` of any shape (its shape leads
-    the result's), whose backward gathers each token's gradient from its first slot and adds the few
-    repeated slots (a shared prompt's, once per sample) instead of atomics over every slot."""
+    """``x[index]`` for packed tokens ``x`` [N, ...], whose backward gathers each token's gradient
+    from its first slot and adds the few repeated slots (a shared prompt's, once per sample)
+    instead of atomics over every slot."""
 
-    index: torch.Tensor  # int64: the packed token of each slot
-    first_slot: torch.Tensor  # [N] int64: the first slot of each packed token (slots counted flat)
+    index: torch.Tensor  # [M] int64: the packed token of each slot
+    first_slot: torch.Tensor  # [N] int64: the first slot of each packed token
     extra_slot: torch.Tensor  # [M - N] int64: every other slot...
     extra_token: torch.Tensor  # [M - N] int64: ...and its token
 
     @classmethod
     def build(cls, index: torch.Tensor, tokens: int) -> "Gather":
-        flat = index.flatten()
-        slots = torch.arange(len(flat))
-        first = torch.full((tokens,), len(flat), dtype=torch.long)
-        first.scatter_reduce_(0, flat, slots, "amin")
-        if len(flat) and (first == len(flat)).any():
+        slots = torch.arange(len(index))
+        first = torch.full((tokens,), len(index), dtype=torch.long)
+        first.scatter_reduce_(0, index, slots, "amin")
+        if len(index) and (first == len(index)).any():
             raise ValueError("every packed token must be a key of some sequence (its own is enough)")
-        extra = slots[first[flat] != slots]
-        return cls(index, first, extra, flat[extra])
+        extra = slots[first[index] != slots]
+        return cls(index, first, extra, index[extra])
 
     def to(self, device: torch.device | str) -> "Gather":
         return Gather(*(t.to(device) for t in (self.index, self.first_slot, self.extra_slot, self.extra_token)))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _Gather.apply(x, self.index, self.first_slot, self.extra_slot, self.extra_token)
+        return _Gather.apply(x, self)
 
 
 class _Gather(torch.autograd.Function):
-    # Tensors only in and out (no objects on ctx), so that torch.compile traces it into the layer's
-    # graph, where the gather fuses with the kernels that make x and use its gradient.
     @staticmethod
-    def forward(ctx, x, index, first_slot, extra_slot, extra_token):
-        ctx.save_for_backward(first_slot, extra_slot, extra_token)
-        ctx.index_dims = index.dim()
-        return x[index]
+    def forward(ctx, x: torch.Tensor, gather: Gather) -> torch.Tensor:
+        ctx.gather = gather
+        return x.index_select(0, gather.index)
 
     @staticmethod
-    def backward(ctx, grad):
-        first_slot, extra_slot, extra_token = ctx.saved_tensors
-        grad = grad.flatten(0, ctx.index_dims - 1)
-        out = grad.index_select(0, first_slot).index_add(0, extra_token, grad.index_select(0, extra_slot))
-        return out, None, None, None, None
+    def backward(ctx, grad: torch.Tensor):
+        g = ctx.gather
+        out = grad.index_select(0, g.first_slot)
+        return out.index_add_(0, g.extra_token, grad.index_select(0, g.extra_slot)), None
 
 
 @dataclass(frozen=True)
 class Rows:
     """The sequences as rows of their key tokens for the ``rows`` kernel: ``gather`` makes the
-    [R, length] row slots (padding after each row's tokens, and whole rows of it to make R and
+    [R * length] row slots (padding after each row's tokens, and whole rows of it to make R and
     length multiples of ROWS_MULTIPLE and LENGTH_MULTIPLE, read token 0, seen by no real query),
-    ``query_slot`` is the slot (counted flat) holding each packed token's query, and ``slot_query``
-    the packed token whose query each slot holds (N for none)."""
+    ``query_slot`` is the slot holding each packed token's query."""
 
-    gather: Gather  # index [R, length]
+    gather: Gather
+    length: int
     query_slot: torch.Tensor  # [N] int64
-    slot_query: torch.Tensor  # [R * length] int64
     pairs: int  # causal (query, key) pairs the padded rows compute
-
-    @property
-    def length(self) -> int:
-        return self.gather.index.shape[1]
 
     @classmethod
     def build(cls, kv_index: torch.Tensor, q_lens: list[int], k_lens: list[int]) -> "Rows | None":
@@ -144,12 +133,10 @@ class Rows:
             r = row_of[host.get(s, s)]
             at = r * length + (lk - lq if host.get(s, s) == s else 0)
             query_slot[cu_q[s]:cu_q[s] + lq] = torch.arange(at, at + lq)
-        slot_query = torch.full((count * length,), cu_q[-1], dtype=torch.long)
-        slot_query[query_slot] = torch.arange(cu_q[-1])
-        return cls(Gather.build(index, cu_q[-1]), query_slot, slot_query, count * length * (length + 1) // 2)
+        return cls(Gather.build(index.flatten(), cu_q[-1]), length, query_slot, count * length * (length + 1) // 2)
 
     def to(self, device: torch.device | str) -> "Rows":
-        return Rows(self.gather.to(device), self.query_slot.to(device), self.slot_query.to(device), self.pairs)
+        return Rows(self.gather.to(device), self.length, self.query_slot.to(device), self.pairs)
 
 
 @dataclass(frozen=True)
@@ -162,9 +149,6 @@ class PackedSequences:
     pairs: int  # (query, key) pairs the sequences attend to
     rows: Rows | None  # the sequences as rows (kernel ``rows``), where they allow it
     kernel: str = "auto"  # see the module's note
-    # Whether half-precision attention runs the rows kernel on the device this was moved to (``to``),
-    # decided there so that a compiled layer reads a flag instead of tracing the decision.
-    rows_on_device: bool = False
 
     @classmethod
     def build(cls, kv_index: torch.Tensor, q_lens: list[int], k_lens: list[int], *,
@@ -185,16 +169,16 @@ class PackedSequences:
         return self.keys.index
 
     def to(self, device: torch.device | str) -> "PackedSequences":
-        device = torch.device(device)
         return PackedSequences(self.keys.to(device), self.cu_q.to(device), self.cu_k.to(device), self.max_q,
                                self.max_k, self.pairs, self.rows.to(device) if self.rows is not None else None,
-                               self.kernel, self.use_rows(device))
+                               self.kernel)
 
     def use_rows(self, device: torch.device) -> bool:
-        """Whether half-precision attention on ``device`` runs the ``rows`` kernel (see the module's note)."""
+        """Whether the ``rows`` kernel runs (see the module's note)."""
         if self.kernel != "auto":
             return self.kernel == "rows"
-        return self.rows is not None and self.rows.pairs <= ROWS_SPEEDUP * self.pairs and rows_by_default(device)
+        return (self.rows is not None and self.rows.pairs <= ROWS_SPEEDUP * self.pairs
+                and _cudnn_attention(device))
 
 
 def gather_keys(x: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
@@ -202,51 +186,35 @@ def gather_keys(x: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
     return seqs.keys(x)
 
 
+@torch.compiler.disable  # its sizes are Python ints that change per micro-batch: keep them out of graphs
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
-    """q [N,h,d], k and v [N,k,d] (packed tokens) -> [N,h,d]. The rows kernel is traced into a
-    compiled caller's graph (its sizes are the index tensors'); the others are not."""
-    if seqs.kernel == "rows" or (seqs.rows_on_device and q.dtype in (torch.float16, torch.bfloat16)):
-        return attend_rows(q, k, v, seqs.rows)
-    return _key_lists(q, k, v, seqs)
-
-
-@torch.compiler.disable  # their sizes are Python ints that change per micro-batch: keep them out of graphs
-def _key_lists(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
-    """The kernels over each sequence's gathered keys: flash attention's variable-length one on a GPU
-    in half precision, else masked attention over the sequences padded to the longest."""
+    """q [N,h,d], k and v [N,k,d] (packed tokens) -> [N,h,d]."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        if seqs.use_rows(q.device):
+            return attend_rows(q, k, v, seqs.rows)
         return _flash_varlen(q, seqs.keys(k), seqs.keys(v), seqs)
     return _padded_sequences(q, seqs.keys(k), seqs.keys(v), seqs)
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> torch.Tensor:
     """The ``rows`` kernel: q [N,h,d], k and v [N,k,d] -> [N,h,d]."""
-    qs, ks, vs = (rows.gather(t).transpose(1, 2) for t in (q, k, v))  # [R,heads,length,d]
-    gqa = True if q.shape[1] != k.shape[1] else False  # a bool, not a SymBool, under torch.compile
-    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
-    return _Select.apply(out.transpose(1, 2).flatten(0, 1), rows.query_slot, rows.slot_query)  # [N,h,d]
+    qs, ks, vs = (rows.gather(t).unflatten(0, (-1, rows.length)).transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return _Select.apply(out.transpose(1, 2).flatten(0, 1), rows.query_slot)  # [R*L,h,d] -> [N,h,d]
 
 
 class _Select(torch.autograd.Function):
-    """``x[slots]`` for distinct ``slots``: backward gathers each slot's gradient from the token it
-    holds (``slot_query``; a zero row for slots holding none), where ``index_select``'s backward
-    would add with atomics."""
+    """``x[slots]`` for distinct ``slots``: backward writes each gradient to its slot (a copy,
+    where ``index_select``'s backward adds with atomics)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, slots: torch.Tensor, slot_query: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(slot_query)
+    def forward(ctx, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        ctx.rows, ctx.slots = x.shape[0], slots
         return x.index_select(0, slots)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (slot_query,) = ctx.saved_tensors
-        with_zero = torch.cat([grad, grad.new_zeros(1, *grad.shape[1:])])
-        return with_zero.index_select(0, slot_query), None, None
-
-
-def rows_by_default(device: torch.device) -> bool:
-    """Whether ``auto`` picks the rows kernel on ``device`` for sequences that its padding suits."""
-    return _cudnn_attention(device)
+        return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_copy_(0, ctx.slots, grad), None
 
 
 @lru_cache(maxsize=None)

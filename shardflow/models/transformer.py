@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from shardflow.config.model import ModelConfig, RopeConfig
-from shardflow.models.packed_attention import PackedSequences, packed_attention, rows_by_default
+from shardflow.models.packed_attention import PackedSequences, packed_attention
 from shardflow.models.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
 from shardflow.models.token_stats import head_logprobs_and_entropy
 from shardflow.parallel.comm import copy_to_tp
@@ -192,7 +192,6 @@ class Transformer(nn.Module):
         # Recompute each layer in backward instead of keeping its activations (set by training).
         self.gradient_checkpointing = False
         self._compiled_layer = None  # see compile_layers
-        self._compiled_packed = False
         self.model = nn.Module()
         if shard.first_stage:
             self.model.embed_tokens = VocabParallelEmbedding(shard.vocab_size, cfg.hidden_size,
@@ -230,7 +229,7 @@ class Transformer(nn.Module):
         h = self.model.embed_tokens(x) if self.shard.first_stage else x
         cos, sin = self.rope(positions, h.dtype)
         recompute = self.gradient_checkpointing and torch.is_grad_enabled()
-        run = self.layer_fn(attend, packed)
+        run = self.layer_fn(attend)
         for index, layer in self.model.layers.items():
             if run_layer is not None:
                 h = run_layer(int(index), layer, h, cos, sin)
@@ -251,20 +250,17 @@ class Transformer(nn.Module):
     def has_sliding_windows(self) -> bool:
         return any(w is not None for w in self.cfg.sliding_windows)
 
-    def layer_fn(self, attend: LayerAttendFn | None, packed: PackedSequences | None = None):
+    def layer_fn(self, attend: LayerAttendFn | None):
         """What runs one layer: the compiled function (see ``compile_layers``) for plain causal
-        forwards (training, inference) and packed ones unless their compilation failed; generation
-        passes its own ``attend`` (and compiles its decode layer itself, ``engine.generate.steps``)."""
-        if attend is not None or self._compiled_layer is None or (packed is not None and not self._compiled_packed):
-            return _layer_forward
-        return self._compiled_layer
+        forwards (training, inference); generation passes its own ``attend`` (and compiles its
+        decode layer itself, ``engine.generate.steps``)."""
+        return self._compiled_layer if attend is None and self._compiled_layer is not None else _layer_forward
 
     def compile_layers(self) -> bool:
         """Run plain forwards (and their backwards) of every decoder layer through one
         ``torch.compile``d function, which fuses the norms, rotary embedding and activation into few
-        kernels. The compiled code is tried once on a small input first, and once on packed sequences
-        where their attention is traced (``models.packed_attention``); if compilation fails the model
-        (or its packed forwards) stays eager and this returns False."""
+        kernels. The compiled code is tried once on a small input first; if compilation fails the
+        model stays eager and this returns False."""
         # One code object serves every layer of every model, in both grad modes and several shape
         # classes (size-1 dimensions specialise); past dynamo's recompile limit (8 by default) new
         # variants would run eager without notice beyond a log line.
@@ -274,26 +270,16 @@ class Transformer(nn.Module):
         if layer is None:
             return False
         p = next(self.parameters())
-        trials = {"": (4, torch.arange(4), None)}
-        if rows_by_default(p.device) and p.dtype in (torch.float16, torch.bfloat16):
-            # a prompt [0, 1] and two samples of it, [2, 3] and [4, 5]: every size above 1, as in training
-            seqs = PackedSequences.build(torch.tensor([0, 1, 0, 1, 2, 3, 0, 1, 4, 5]), [2, 2, 2], [2, 4, 4],
-                                         kernel="rows")
-            trials["packed sequences' "] = (6, torch.tensor([0, 1, 2, 3, 2, 3]), seqs.to(p.device))
-        self._compiled_packed = False
-        for what, (tokens, positions, packed) in trials.items():
-            x = torch.zeros(1, tokens, self.cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
-            cos, sin = self.rope(positions.to(p.device)[None], p.dtype)
-            try:
-                compiled(layer, x, cos, sin, None, packed).sum().backward()
-            except Exception as e:  # noqa: BLE001 - any compiler failure: stay eager, say so
-                logger.warning(f"torch.compile of the decoder layers' {what}forward failed, running it eager: "
-                               f"{type(e).__name__}: {e}")
-                return False
-            finally:
-                self.zero_grad(set_to_none=True)
-            self._compiled_layer = compiled
-        self._compiled_packed = True
+        x = torch.zeros(1, 4, self.cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
+        cos, sin = self.rope(torch.arange(4, device=p.device)[None], p.dtype)
+        try:
+            compiled(layer, x, cos, sin, None).sum().backward()
+        except Exception as e:  # noqa: BLE001 - any compiler failure: stay eager, say so
+            logger.warning(f"torch.compile of the decoder layers failed, running eager: {type(e).__name__}: {e}")
+            return False
+        finally:
+            self.zero_grad(set_to_none=True)
+        self._compiled_layer = compiled
         return True
 
     # ----- heads (last stage) -----------------------------------------------------------
