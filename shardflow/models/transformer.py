@@ -265,6 +265,12 @@ class Transformer(nn.Module):
         # classes (size-1 dimensions specialise); past dynamo's recompile limit (8 by default) new
         # variants would run eager without notice beyond a log line.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # Inductor fuses the norms' weight-gradient reductions with their input-gradient ones only for
+        # inputs of at least 5M elements, and guards that size: a micro-batch under it (the last,
+        # smaller one) would compile the layer again, seconds of the first iteration. Fusing them at
+        # every size keeps one variant.
+        if hasattr(torch._inductor.config.triton, "mix_order_reduction_non_strict_mode"):
+            torch._inductor.config.triton.mix_order_reduction_non_strict_mode = True
         compiled = torch.compile(_layer_forward, dynamic=True)
         layer = next(iter(self.model.layers.values()), None)
         if layer is None:
