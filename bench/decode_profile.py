@@ -7,7 +7,8 @@
    the engine's knobs, then over positions per block, warps and pipeline stages at the split count
    the engine picks; GB/s of KV read (about 80 kernel compilations per model shape: minutes).
 2. The decode step's projections alone per weight shape, under cuBLAS and cuBLASLt, and under
-   cuBLAS with the weight stored transposed, GB/s of weight read, at batch 1, 16, 64 and 256.
+   cuBLAS with the weight stored transposed (with ``--autotune`` also inductor's max-autotune
+   choice), GB/s of weight read and share of the matrix rate, at ``--linear-batches`` (1, 16, 64, 256).
 3. A kernel-level profile (torch.profiler) of the engine's compiled decode step (and with
    ``--eager`` the eager one) at batch 1 and 64: the top kernels by device time.
 Writes ``decode_profile.json`` to ``--out`` and prints the best settings found.
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from generation import LLAMA_8B, TINY, kernel_timed, llama_config, measure_bandwidth, random_model  # noqa: E402
-from iteration import SHAPES  # noqa: E402
+from iteration import SHAPES, measure_rates  # noqa: E402
 
 from shardflow.engine.generate.decode_attention import (  # noqa: E402
     BLOCK_N,
@@ -92,31 +93,43 @@ def attention_sweep(device, cfg, cases, dtype) -> list[dict]:
     return rows
 
 
-def linear_sweep(device, cfg, dtype) -> list[dict]:
+def linear_sweep(device, cfg, dtype, batches=(1, 16, 64, 256), autotune: bool = False,
+                 matrix_flops: float | None = None) -> list[dict]:
     """Each decode projection per weight shape and batch: ``F.linear`` under cuBLAS and cuBLASLt
     (the weight [out, in], as the engine stores it), and under cuBLAS with the weight stored
-    transposed ([in, out], ``x @ w``), which makes cuBLAS pick other kernels. Microseconds per call
-    of calls in one CUDA graph over enough copies of the weight that L2 cannot hold them (the
-    decode step reads each weight once per step)."""
+    transposed ([in, out], ``x @ w``), which makes cuBLAS pick other kernels; with ``autotune``
+    also inductor's ``max-autotune`` choice among its Triton matrix-product templates and cuBLAS.
+    Microseconds per call of calls in one CUDA graph over enough copies of the weight that L2
+    cannot hold them (the decode step reads each weight once per step); with ``matrix_flops``,
+    the share of that rate each reaches."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     shapes = {"qkv_fused": (cfg.q_size + 2 * cfg.kv_size, H), "o": (H, cfg.q_size), "gate_up_fused": (2 * I, H),
               "down": (H, I), "lm_head": (cfg.vocab_size, H)}
     variants = (("cublas", "out_in"), ("cublaslt", "out_in"), ("cublas", "in_out"))
+    if autotune:
+        variants += (("max-autotune", "out_in"),)
     chosen = torch.backends.cuda.preferred_blas_library()
     rows = []
-    for (name, (n, kdim)), batch, (library, layout) in itertools.product(shapes.items(), (1, 16, 64, 256), variants):
+    for (name, (n, kdim)), batch, (library, layout) in itertools.product(shapes.items(), batches, variants):
         copies = max(1, -(-256 * 2**20 // (n * kdim * 2)))  # >= 256 MiB, five times the L2
         shape = (n, kdim) if layout == "out_in" else (kdim, n)
         ws = [torch.randn(*shape, dtype=dtype, device=device) for _ in range(copies)]
         x = torch.randn(batch, kdim, dtype=dtype, device=device)
-        product = (lambda w: F.linear(x, w)) if layout == "out_in" else (lambda w: x @ w)
-        torch.backends.cuda.preferred_blas_library(library)
+        if library == "max-autotune":  # one compilation per shape, tuned on the first copy
+            linear = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
+            product = lambda w, linear=linear: linear(x, w)  # noqa: E731
+        else:
+            product = (lambda w: F.linear(x, w)) if layout == "out_in" else (lambda w: x @ w)
+        torch.backends.cuda.preferred_blas_library("cublas" if library == "max-autotune" else library)
         try:
             seconds = kernel_timed(lambda: [product(w) for w in ws], device, calls=max(1, 20 // copies)) / copies
         finally:
             torch.backends.cuda.preferred_blas_library(chosen)
-        rows.append(dict(weight=name, batch=batch, library=library, layout=layout, us=seconds * 1e6,
-                         gbps=ws[0].numel() * ws[0].element_size() / seconds / 1e9))
+        row = dict(weight=name, batch=batch, library=library, layout=layout, us=seconds * 1e6,
+                   gbps=ws[0].numel() * ws[0].element_size() / seconds / 1e9)
+        if matrix_flops:
+            row["of_matrix_rate"] = 2 * batch * n * kdim / seconds / matrix_flops
+        rows.append(row)
         del ws
     return rows
 
@@ -215,8 +228,12 @@ def main() -> None:
                         help="batch x context cases of the sweep, comma-separated")
     parser.add_argument("--sweep-only", action="store_true",
                         help="only the sweeps (attention and projections): no sampler, no profile")
+    parser.add_argument("--linear-only", action="store_true", help="only the projection sweep")
     parser.add_argument("--profile-only", action="store_true",
                         help="only the kernel profile: no projection sweep, no sampler")
+    parser.add_argument("--linear-batches", default="1,16,64,256", help="batches of the projection sweep")
+    parser.add_argument("--autotune", action="store_true",
+                        help="the projection sweep also times inductor's max-autotune choice (minutes)")
     parser.add_argument("--model", choices=("llama-3.1-8b", "qwen3-1.7b"), default="llama-3.1-8b")
     parser.add_argument("--kv-block-size", type=int, default=0,
                         help="profile the engine with a paged KV cache of blocks of this many tokens (0: contiguous)")
@@ -241,14 +258,19 @@ def main() -> None:
     if device.type == "cuda":
         result["bandwidth_gb_s"] = measure_bandwidth(device, 4) / 1e9
         cases = [tuple(int(x) for x in case.split("x")) for case in args.sweep_cases.split(",")]
-        result["attention"] = attention_sweep(device, cfg, cases, dtype) if args.sweep or args.sweep_only else []
+        sweep_attention = (args.sweep or args.sweep_only) and not args.linear_only
+        result["attention"] = attention_sweep(device, cfg, cases, dtype) if sweep_attention else []
         (out / "decode_profile.json").write_text(json.dumps(result, indent=2))
-        result["linear"] = [] if args.profile_only else linear_sweep(device, cfg, dtype)
-        result["sampler"] = [] if args.sweep_only or args.profile_only else sampler_times(device, cfg)
-        model = None if args.sweep_only else random_model(cfg, device, dtype)
+        result["matrix_tflops"] = measure_rates(device)[1] / 1e12
+        batches = tuple(int(b) for b in args.linear_batches.split(","))
+        result["linear"] = [] if args.profile_only else linear_sweep(
+            device, cfg, dtype, batches, args.autotune, result["matrix_tflops"] * 1e12)
+        only = args.sweep_only or args.linear_only
+        result["sampler"] = [] if only or args.profile_only else sampler_times(device, cfg)
+        model = None if only else random_model(cfg, device, dtype)
         result["profile"] = {}
         profile_cases = [tuple(int(x) for x in case.split("x")) for case in args.profile_cases.split(",")]
-        for (b, c), comp in itertools.product(() if args.sweep_only else profile_cases,
+        for (b, c), comp in itertools.product(() if only else profile_cases,
                                               (True, False) if args.eager else (True,)):
             key = f"b{b}_ctx{c}_{'compiled' if comp else 'eager'}"
             try:
@@ -275,8 +297,9 @@ def print_summary(result: dict) -> None:
               f"({picked['gbps']:.0f} GB/s); best {best['us']:.1f} us (block {best['block']} warps {best['warps']} "
               f"stages {best['stages']} splits {best['splits']}); us by splits {by_splits}")
     for r in result["linear"]:
-        print(f"linear {r['weight']:>14} b{r['batch']:<3} {r['library']:>8} {r['layout']:>6} {r['us']:8.1f} us "
-              f"{r['gbps']:6.0f} GB/s")
+        rate = f", {100 * r['of_matrix_rate']:4.0f}% of the matrix rate" if "of_matrix_rate" in r else ""
+        print(f"linear {r['weight']:>14} b{r['batch']:<3} {r['library']:>12} {r['layout']:>6} {r['us']:8.1f} us "
+              f"{r['gbps']:6.0f} GB/s{rate}")
     for r in result["sampler"]:
         print(f"sampler b{r['batch']:<3} {r['mode']:>6} {r['us']:8.1f} us ({r['gbps']:5.0f} GB/s of bf16 logits), "
               f"torch ops compiled {r['torch_us']:8.1f} us; same tokens {r['same_tokens']}, "
