@@ -54,13 +54,13 @@ def test_the_compile_cache_goes_where_the_run_says_and_workers_start_early(tmp_p
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    assert use_compile_cache("") is None
-    assert use_compile_cache(str(tmp_path / "cache")) == tmp_path / "cache"
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
-    assert torch._inductor.config.fx_graph_cache
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", 2)
-    assert start_compile_workers()
-    AsyncCompile.wait_pool_ready(timeout=120)  # raises if the workers never come up
-    assert AsyncCompile.use_process_pool()
+    # the configs' own patching (an alias among them is not an attribute that monkeypatch restores)
+    with torch._inductor.config.patch(fx_graph_cache=False, compile_threads=2), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        assert use_compile_cache("") is None
+        assert use_compile_cache(str(tmp_path / "cache")) == tmp_path / "cache"
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+        assert torch._inductor.config.fx_graph_cache and torch._functorch.config.enable_autograd_cache
+        assert start_compile_workers()
+        AsyncCompile.wait_pool_ready(timeout=120)  # raises if the workers never come up
+        assert AsyncCompile.use_process_pool()
