@@ -51,16 +51,23 @@ def test_past_the_recompile_limit_the_function_runs_eager_and_says_so(caplog):
 
 def test_the_compile_cache_goes_where_the_run_says_and_workers_start_early(tmp_path, monkeypatch):
     from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    # importing torch's compiler writes its default into the environment: that is no one's choice
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(default_cache_dir()))
     # the configs' own patching (an alias among them is not an attribute that monkeypatch restores)
     with torch._inductor.config.patch(fx_graph_cache=False, compile_threads=2), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         assert use_compile_cache("") is None
         assert use_compile_cache(str(tmp_path / "cache")) == tmp_path / "cache"
-        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+        assert cache_dir() == str(tmp_path / "cache" / "inductor")
+        assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "cache" / "triton")
         assert torch._inductor.config.fx_graph_cache and torch._functorch.config.enable_autograd_cache
+        # a directory set by someone (a cluster's shared cache) stays
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "shared"))
+        use_compile_cache(str(tmp_path / "cache"))
+        assert cache_dir() == str(tmp_path / "shared")
         assert start_compile_workers()
         AsyncCompile.wait_pool_ready(timeout=120)  # raises if the workers never come up
         assert AsyncCompile.use_process_pool()

@@ -4,7 +4,8 @@ torch.compile's graphs (inductor's FX graph cache, AOTAutograd's forward and bac
 triton's kernels are cached on disk by content. By default both caches sit under the temporary
 directory, which machines clear; ``use_compile_cache`` moves them to a directory of the run's
 choosing (``run.compile_cache``) and turns both graph caches on. Variables already set in the
-environment win, so a cluster's shared cache stays in charge.
+environment win, so a cluster's shared cache stays in charge, except inductor's at torch's own default
+(the temporary directory): importing torch's compiler writes that default into the environment.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 import torch._dynamo.utils
 from torch._inductor.async_compile import AsyncCompile
+from torch._inductor.runtime import cache_dir_utils
 
 
 def use_compile_cache(directory: str) -> Path | None:
@@ -27,6 +29,9 @@ def use_compile_cache(directory: str) -> Path | None:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"run.compile_cache: cannot create {root}: {e}") from e
+    default = getattr(cache_dir_utils, "default_cache_dir", None)  # private: a torch may lack it
+    if default is not None and os.environ.get("TORCHINDUCTOR_CACHE_DIR") == os.path.abspath(default()):
+        del os.environ["TORCHINDUCTOR_CACHE_DIR"]  # torch's default, written by an import: not a choice
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
     torch._inductor.config.fx_graph_cache = True
