@@ -92,6 +92,7 @@ SUITES: dict[str, tuple[Step, ...]] = {
     "first-iteration": (
         Step("cold_and_warm", 420, "iteration.py", ("--cold-and-warm", "--iterations", "2", "--skip-trl",
                                                     "--skip-planner"), ("iteration.json",)),
+        Step("layer_tracing", 180, "layer_tracing.py", (), ("layer_tracing.json",)),
     ),
     "realloc": (Step("realloc", 300, "realloc.py", (), ("realloc.json",)),),
     "adaptive": (

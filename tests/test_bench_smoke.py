@@ -33,6 +33,7 @@ CASES = {  # script: (arguments, JSON it writes)
     "paged_kv.py": (["--tiny"], "paged_kv.json"),
     "varied_lengths.py": (["--tiny"], "varied_lengths.json"),
     "attention_plans.py": (["--tiny"], "attention_plans.json"),
+    "layer_tracing.py": (["--tiny", "--repeats", "1"], "layer_tracing.json"),
 }
 
 

@@ -218,8 +218,11 @@ def test_shared_inference_matches_transformers(pool, checkpoints, case, what):
 
 
 def test_compiled_layers_run_packed_rows_alike(checkpoints):
-    """The compiled decoder layers (one graph each side of the packed attention) give the eager
-    layers' outputs, and micro-batches of other sizes do not make them compile again."""
+    """The compiled decoder layers (one graph each side of the packed attention, no graph break)
+    give the eager layers' outputs and parameter gradients, and micro-batches of other sizes do not
+    make them compile again."""
+    from torch._dynamo.utils import counters
+
     path = checkpoints.get("qwen3_qknorm", "qwen3", tie_word_embeddings=True)
     world = World(rank=0, size=1, device=torch.device("cpu"), backend="gloo")
     layout = Layout((0,))
@@ -227,11 +230,26 @@ def test_compiled_layers_run_packed_rows_alike(checkpoints):
     eager, _ = load_model(path, layout, world)
     compiled, _ = load_model(path, layout, world)
     assert compiled.compile_layers()
+    breaks = sum(counters["graph_break"].values())
     run = lambda model, budget: infer(model, layout, world, batch, "logprobs", micro_batch_tokens=budget,  # noqa: E731
                                       outputs_at="loss_mask", share_prompts=True).token_fields["logprobs"]
     torch.testing.assert_close(run(compiled, BUDGET), run(eager, BUDGET), atol=1e-5, rtol=0)
-    from torch._dynamo.utils import counters
-
     before = counters["stats"]["unique_graphs"]
     torch.testing.assert_close(run(compiled, 60), run(eager, 60), atol=1e-5, rtol=0)
     assert counters["stats"]["unique_graphs"] == before
+
+    (mb,) = make_shared_micro_batches(batch, split_rows(group_by_prompt(batch, "loss_mask"), batch.lengths.tolist(),
+                                                        1000), torch.device("cpu"), outputs_at="loss_mask")
+
+    def gradients(model):
+        hidden = model(mb.ids, mb.positions, packed=mb.packed)
+        (hidden * torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    got, want = gradients(compiled), gradients(eager)
+    assert got.keys() == want.keys() and any("q_proj" in name for name in got)
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], atol=1e-4, rtol=1e-4, msg=name)
+    assert sum(counters["graph_break"].values()) == breaks

@@ -113,8 +113,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.decode_qkv: Product | None = None  # q/k/v in one product, for no-grad forwards
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn | None,
-                packed: PackedSequences | None = None) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B,T,H] -> q [B,T,h,d], k and v [B,T,k,d], q and k normed (where the model does) and rotated."""
         B, T, _ = x.shape
         x = copy_to_tp(x, self.group)
         if self.decode_qkv is not None and not torch.is_grad_enabled():
@@ -131,16 +131,16 @@ class Attention(nn.Module):
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B,T,1,d]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if packed is not None:  # one packed row of sequences that read their own key tokens
-            out = packed_attention(q[0], k[0], v[0], packed)  # [T,h,d]
-            return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,heads,T,d]
-        if attend is None:
-            out = causal_attention(q, k, v, self.window)
-        else:
-            out = attend(q, k, v)
-        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
-        return self.o_proj(out)
+        return q, k, v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """[B,T,h,d] attention output -> [B,T,H]."""
+        return self.o_proj(out.reshape(*out.shape[:2], self.num_heads * self.head_dim))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn | None) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in self.project(x, cos, sin))  # [B,heads,T,d]
+        out = causal_attention(q, k, v, self.window) if attend is None else attend(q, k, v)
+        return self.output(out.transpose(1, 2))
 
 
 class MLP(nn.Module):
@@ -170,16 +170,58 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, shard, group)
 
-    def forward(self, x, cos, sin, attend: AttendFn | None, packed: PackedSequences | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, packed)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn | None) -> torch.Tensor:
+        return self.finish(x + self.self_attn(self.input_layernorm(x), cos, sin, attend))
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer after its attention's residual: the MLP and its residual."""
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def _layer_forward(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   attend: AttendFn | None, packed: PackedSequences | None = None) -> torch.Tensor:
+                   attend: AttendFn | None) -> torch.Tensor:
     """One layer's forward as a plain function of the layer, so that one compiled version serves
     every layer (their parameters are inputs, not constants)."""
-    return layer(x, cos, sin, attend, packed)
+    return layer(x, cos, sin, attend)
+
+
+def _before_packed_attention(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A layer over one packed row x [1,T,H] up to its attention: q [T,h,d], k and v [T,k,d]."""
+    q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+    return q[0], k[0], v[0]
+
+
+def _after_packed_attention(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The rest of the layer from its packed attention's output [T,h,d]."""
+    return layer.finish(x + layer.self_attn.output(out[None]))
+
+
+class LayerRunner:
+    """Runs one decoder layer: plain causal (or with a caller's ``attend``) through ``whole``; over
+    packed sequences through ``before``, the packed attention outside any graph (its sizes are
+    host values that change per micro-batch), then ``after``. Compiled, the two pieces are two
+    graphs; a graph break inside one compiled layer would make several frames of nested functions,
+    each traced again in every process (dynamo's work is not cached)."""
+
+    def __init__(self, whole=_layer_forward, before=_before_packed_attention, after=_after_packed_attention):
+        self.whole, self.before, self.after = whole, before, after
+
+    @classmethod
+    def compiled(cls, **options) -> "LayerRunner":
+        """The three functions, each through ``torch.compile(fn, **options)``."""
+        return cls(*(torch.compile(fn, **options) for fn in (_layer_forward, _before_packed_attention,
+                                                               _after_packed_attention)))
+
+    def __call__(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 attend: AttendFn | None = None, packed: PackedSequences | None = None) -> torch.Tensor:
+        if packed is None:
+            return self.whole(layer, x, cos, sin, attend)
+        q, k, v = self.before(layer, x, cos, sin)
+        return self.after(layer, x, packed_attention(q, k, v, packed))
+
+
+EAGER_LAYERS = LayerRunner()
 
 
 class Transformer(nn.Module):
@@ -191,7 +233,7 @@ class Transformer(nn.Module):
         self.cfg, self.shard, self.tp_group = cfg, shard, tp_group
         # Recompute each layer in backward instead of keeping its activations (set by training).
         self.gradient_checkpointing = False
-        self._compiled_layer = None  # see compile_layers
+        self._compiled: LayerRunner | None = None  # see compile_layers
         self.model = nn.Module()
         if shard.first_stage:
             self.model.embed_tokens = VocabParallelEmbedding(shard.vocab_size, cfg.hidden_size,
@@ -250,17 +292,17 @@ class Transformer(nn.Module):
     def has_sliding_windows(self) -> bool:
         return any(w is not None for w in self.cfg.sliding_windows)
 
-    def layer_fn(self, attend: LayerAttendFn | None):
-        """What runs one layer: the compiled function (see ``compile_layers``) for plain causal
-        forwards (training, inference); generation passes its own ``attend`` (and compiles its
+    def layer_fn(self, attend: LayerAttendFn | None) -> LayerRunner:
+        """What runs one layer: the compiled functions (see ``compile_layers``) for plain causal and
+        packed forwards (training, inference); generation passes its own ``attend`` (and compiles its
         decode layer itself, ``engine.generate.steps``)."""
-        return self._compiled_layer if attend is None and self._compiled_layer is not None else _layer_forward
+        return self._compiled if attend is None and self._compiled is not None else EAGER_LAYERS
 
     def compile_layers(self) -> bool:
-        """Run plain forwards (and their backwards) of every decoder layer through one
-        ``torch.compile``d function, which fuses the norms, rotary embedding and activation into few
-        kernels. The compiled code is tried once on a small input first; if compilation fails the
-        model stays eager and this returns False."""
+        """Run plain and packed forwards (and their backwards) of every decoder layer through
+        ``torch.compile``d functions (``LayerRunner``), which fuse the norms, rotary embedding and
+        activation into few kernels. The compiled code is tried once on a small input first; if
+        compilation fails the model stays eager and this returns False."""
         # One code object serves every layer of every model, in both grad modes and several shape
         # classes (size-1 dimensions specialise); past dynamo's recompile limit (8 by default) new
         # variants would run eager without notice beyond a log line.
@@ -271,7 +313,7 @@ class Transformer(nn.Module):
         # every size keeps one variant.
         if hasattr(torch._inductor.config.triton, "mix_order_reduction_non_strict_mode"):
             torch._inductor.config.triton.mix_order_reduction_non_strict_mode = True
-        compiled = torch.compile(_layer_forward, dynamic=True)
+        compiled = LayerRunner.compiled(dynamic=True)
         layer = next(iter(self.model.layers.values()), None)
         if layer is None:
             return False
@@ -279,13 +321,15 @@ class Transformer(nn.Module):
         x = torch.zeros(1, 4, self.cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
         cos, sin = self.rope(torch.arange(4, device=p.device)[None], p.dtype)
         try:
-            compiled(layer, x, cos, sin, None).sum().backward()
+            out = compiled.whole(layer, x, cos, sin, None)
+            q, _, _ = compiled.before(layer, x, cos, sin)
+            (out.sum() + compiled.after(layer, x, q).sum()).backward()  # q stands in for the attention's output
         except Exception as e:  # noqa: BLE001 - any compiler failure: stay eager, say so
             logger.warning(f"torch.compile of the decoder layers failed, running eager: {type(e).__name__}: {e}")
             return False
         finally:
             self.zero_grad(set_to_none=True)
-        self._compiled_layer = compiled
+        self._compiled = compiled
         return True
 
     # ----- heads (last stage) -----------------------------------------------------------
