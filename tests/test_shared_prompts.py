@@ -250,6 +250,7 @@ def test_compiled_layers_run_packed_rows_alike(checkpoints):
 
     got, want = gradients(compiled), gradients(eager)
     assert got.keys() == want.keys() and any("q_proj" in name for name in got)
-    for name in got:
-        torch.testing.assert_close(got[name], want[name], atol=1e-4, rtol=1e-4, msg=name)
+    for name in got:  # fp32 sums in another order (one element can cancel): each gradient as a whole
+        error = ((got[name] - want[name]).norm() / want[name].norm()).item()
+        assert error < 1e-5, f"{name}: relative error {error:.2e}"
     assert sum(counters["graph_break"].values()) == breaks
