@@ -87,16 +87,30 @@ def supervised_warmup(path: str | Path, tokenizer, draw: Callable[[torch.Generat
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        ids, targets = padded(draw(gen), tokenizer.pad_token_id)  # [B, T] each
-        logits = model(ids).logits[:, :-1]  # [B, T-1, vocab]
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets[:, 1:], ignore_index=-100)
         optimizer.zero_grad()
-        loss.backward()
+        batch = draw(gen)
+        targets_in_batch = sum(sum(mask[1:]) for _, mask in batch)
+        # the batch's mean loss over its target tokens, in one forward per length (no padding:
+        # the tool example mixes 130-token episodes with 30-token direct answers)
+        for group in by_length(batch):
+            ids, targets = padded(group, tokenizer.pad_token_id)  # [B, T] each
+            logits = model(ids).logits[:, :-1]  # [B, T-1, vocab]
+            loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets[:, 1:], ignore_index=-100,
+                                                     reduction="sum")
+            (loss / targets_in_batch).backward()
         optimizer.step()
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(path)
     return path
+
+
+def by_length(examples: list[tuple[list[int], list[int]]]) -> list[list[tuple[list[int], list[int]]]]:
+    """The examples grouped by their length, in order of first appearance."""
+    groups: dict[int, list] = {}
+    for example in examples:
+        groups.setdefault(len(example[0]), []).append(example)
+    return list(groups.values())
 
 
 def padded(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
