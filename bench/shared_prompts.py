@@ -53,6 +53,7 @@ from shardflow.engine.train.engine import TrainEngine  # noqa: E402
 from shardflow.models.checkpoint import load_model  # noqa: E402
 from shardflow.models.packed_attention import gather_keys, packed_attention  # noqa: E402
 from shardflow.models.tiny import make_tiny_checkpoint  # noqa: E402
+from shardflow.models import transformer  # noqa: E402
 from shardflow.models.transformer import causal_attention  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.parallel.world import World  # noqa: E402
@@ -256,7 +257,10 @@ def main() -> None:
     parser.add_argument("--skip-parity", action="store_true")
     parser.add_argument("--skip-speed", action="store_true", help="no training steps (parity and attention only)")
     parser.add_argument("--profile", action="store_true", help="kernel profile of one shared step (GPU)")
+    parser.add_argument("--trial-tokens", type=int, default=transformer.TRIAL_TOKENS,
+                        help="tokens of the compiled layers' first call, whose sizes their kernels are tuned for (GPU)")
     args = parser.parse_args()
+    transformer.TRIAL_TOKENS = args.trial_tokens
     if args.tiny:
         args.prompts, args.samples, args.prompt_tokens, args.response_tokens = 4, 4, 8, 8
         args.micro_batch_tokens, args.steps, args.attention_repeats = 64, 1, 2

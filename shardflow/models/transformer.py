@@ -222,6 +222,7 @@ class LayerRunner:
 
 
 EAGER_LAYERS = LayerRunner()
+TRIAL_TOKENS = 4096  # compile_layers' trial on accelerators: a micro-batch's order of size
 
 
 class Transformer(nn.Module):
@@ -301,7 +302,7 @@ class Transformer(nn.Module):
     def compile_layers(self) -> bool:
         """Run plain and packed forwards (and their backwards) of every decoder layer through
         ``torch.compile``d functions (``LayerRunner``), which fuse the norms, rotary embedding and
-        activation into few kernels. The compiled code is tried once on a small input first; if
+        activation into few kernels. The compiled code is tried once first; if
         compilation fails the model stays eager and this returns False."""
         # One code object serves every layer of every model, in both grad modes and several shape
         # classes (size-1 dimensions specialise); past dynamo's recompile limit (8 by default) new
@@ -318,8 +319,13 @@ class Transformer(nn.Module):
         if layer is None:
             return False
         p = next(self.parameters())
-        x = torch.zeros(1, 4, self.cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
-        cos, sin = self.rope(torch.arange(4, device=p.device)[None], p.dtype)
+        # The trial's sizes are the hints of the graph's dynamic sizes, and Triton's kernels are tuned
+        # for them: the packed path (one row, its length dynamic) keeps this graph for every micro-batch,
+        # and kernels tuned for 4 tokens ran its activation and norms at a third of copy bandwidth on a
+        # 15K-token micro-batch. A training-sized trial on accelerators; a small one on the CPU.
+        tokens = 4 if p.device.type == "cpu" else TRIAL_TOKENS
+        x = torch.zeros(1, tokens, self.cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
+        cos, sin = self.rope(torch.arange(tokens, device=p.device)[None], p.dtype)
         try:
             out = compiled.whole(layer, x, cos, sin, None)
             q, _, _ = compiled.before(layer, x, cos, sin)
