@@ -9,6 +9,7 @@ import torch
 
 from shardflow.engine.compile_cache import start_compile_workers, use_compile_cache
 from shardflow.engine.compile_fallback import compiled_or_eager
+from shardflow.models.transformer import TRIAL_TOKENS
 
 
 def _broken_backend(gm, example_inputs):
@@ -61,7 +62,7 @@ def test_the_compile_cache_goes_where_the_run_says_and_workers_start_early(tmp_p
             torch._functorch.config.patch(enable_autograd_cache=False):
         assert use_compile_cache("") is None
         assert use_compile_cache(str(tmp_path / "cache")) == tmp_path / "cache"
-        assert cache_dir() == str(tmp_path / "cache" / "inductor")
+        assert cache_dir() == str(tmp_path / "cache" / f"inductor-trial{TRIAL_TOKENS}")
         assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "cache" / "triton")
         assert torch._inductor.config.fx_graph_cache and torch._functorch.config.enable_autograd_cache
         # a directory set by someone (a cluster's shared cache) stays

@@ -18,6 +18,8 @@ import torch._dynamo.utils
 from torch._inductor.async_compile import AsyncCompile
 from torch._inductor.runtime import cache_dir_utils
 
+from shardflow.models.transformer import TRIAL_TOKENS
+
 
 def use_compile_cache(directory: str) -> Path | None:
     """Cache compiled graphs and kernels under ``directory`` (``~`` expanded; empty: torch's own
@@ -32,7 +34,9 @@ def use_compile_cache(directory: str) -> Path | None:
     default = getattr(cache_dir_utils, "default_cache_dir", None)  # private: a torch may lack it
     if default is not None and os.environ.get("TORCHINDUCTOR_CACHE_DIR") == os.path.abspath(default()):
         del os.environ["TORCHINDUCTOR_CACHE_DIR"]  # torch's default, written by an import: not a choice
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    # Inductor's graph cache keys dynamic sizes by name, not by the sizes its kernels were tuned for (the
+    # layers' trial, ``TRIAL_TOKENS``): graphs compiled for another trial size must not be found.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / f"inductor-trial{TRIAL_TOKENS}"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
