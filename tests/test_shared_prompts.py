@@ -157,11 +157,15 @@ def test_rows_hold_each_sample_and_take_each_query_from_one_row():
     rows, L = seqs.rows, LENGTH_MULTIPLE
     # three rows of 4 keys, padded (token 0) to a multiple of LENGTH_MULTIPLE slots, and rows of
     # padding to a multiple of ROWS_MULTIPLE: attention meets few distinct shapes
-    assert rows.length == L and rows.gather.index.view(-1, L).shape[0] == ROWS_MULTIPLE
-    assert rows.gather.index.view(-1, L)[:3, :4].tolist() == [[0, 1, 2, 3], [0, 1, 4, 0], [5, 0, 0, 0]]
-    assert rows.gather.index.view(-1, L)[:, 4:].eq(0).all() and rows.gather.index.view(-1, L)[3:].eq(0).all()
+    assert rows.length == L and rows.keys.index.view(-1, L).shape[0] == ROWS_MULTIPLE
+    assert rows.keys.index.view(-1, L)[:3, :4].tolist() == [[0, 1, 2, 3], [0, 1, 4, 0], [5, 0, 0, 0]]
+    assert rows.keys.index.view(-1, L)[:, 4:].eq(0).all() and rows.keys.index.view(-1, L)[3:].eq(0).all()
     # the prompt's queries ride in its first sample's row; every other query sits at its own key slot
     assert rows.query_slot.tolist() == [0, 1, 2, 3, L + 2, 2 * L]
+    # backward adds the prompt's second reading of its keys, not padding (which no real query sees),
+    # and takes each query's gradient from its own slot alone (the other slots' outputs are dropped)
+    assert rows.keys.extra_slot.tolist() == [L, L + 1] and rows.keys.extra_token.tolist() == [0, 1]
+    assert torch.equal(rows.queries.first_slot, rows.query_slot) and rows.queries.extra_slot.numel() == 0
     assert rows.pairs == ROWS_MULTIPLE * L * (L + 1) // 2 and seqs.pairs == 3 + 7 + 3 + 1
     assert seqs.use_rows(torch.device("cpu")) is False  # auto: no cuDNN kernel here
     # keys whose last slots are not the sequence's own queries have no rows
@@ -176,7 +180,7 @@ def test_rows_kernel_equals_the_masked_attention_with_its_gradients():
     """The rows kernel (samples of uneven lengths as padded rows, prompts' queries taken from a
     sample's row) gives the masked attention's outputs and gradients, float64."""
     seqs = packed_micro_batch(prompts=4, samples=3, seed=5).packed
-    assert seqs.rows.gather.index.numel() > seqs.rows.query_slot.numel()  # padding and repeated prompts
+    assert seqs.rows.keys.index.numel() > seqs.rows.query_slot.numel()  # padding and repeated prompts
     n = len(seqs.rows.query_slot)
     g = torch.Generator().manual_seed(0)
     qkv = [torch.randn(n, heads, 8, generator=g, dtype=torch.float64, requires_grad=True) for heads in (4, 2, 2)]

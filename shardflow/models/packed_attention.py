@@ -53,21 +53,23 @@ ROWS_MULTIPLE = 4
 class Gather:
     """``x[index]`` for packed tokens ``x`` [N, ...], whose backward gathers each token's gradient
     from its first slot and adds the few repeated slots (a shared prompt's, once per sample)
-    instead of atomics over every slot."""
+    instead of atomics over every slot. Slots whose gradient is zero by construction (``live``
+    false: padding, queries whose outputs are dropped) are left out of backward."""
 
     index: torch.Tensor  # [M] int64: the packed token of each slot
-    first_slot: torch.Tensor  # [N] int64: the first slot of each packed token
-    extra_slot: torch.Tensor  # [M - N] int64: every other slot...
-    extra_token: torch.Tensor  # [M - N] int64: ...and its token
+    first_slot: torch.Tensor  # [N] int64: the first live slot of each packed token
+    extra_slot: torch.Tensor  # int64: every other live slot...
+    extra_token: torch.Tensor  # int64: ...and its token
 
     @classmethod
-    def build(cls, index: torch.Tensor, tokens: int) -> "Gather":
+    def build(cls, index: torch.Tensor, tokens: int, live: torch.Tensor | None = None) -> "Gather":
         slots = torch.arange(len(index))
+        live = torch.ones(len(index), dtype=torch.bool) if live is None else live
         first = torch.full((tokens,), len(index), dtype=torch.long)
-        first.scatter_reduce_(0, index, slots, "amin")
-        if len(index) and (first == len(index)).any():
+        first.scatter_reduce_(0, index[live], slots[live], "amin")
+        if tokens and (first == len(index)).any():
             raise ValueError("every packed token must be a key of some sequence (its own is enough)")
-        extra = slots[first[index] != slots]
+        extra = slots[live & (first[index] != slots)]
         return cls(index, first, extra, index[extra])
 
     def to(self, device: torch.device | str) -> "Gather":
@@ -87,17 +89,22 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         g = ctx.gather
         out = grad.index_select(0, g.first_slot)
-        return out.index_add_(0, g.extra_token, grad.index_select(0, g.extra_slot)), None
+        if len(g.extra_slot):
+            out.index_add_(0, g.extra_token, grad.index_select(0, g.extra_slot))
+        return out, None
 
 
 @dataclass(frozen=True)
 class Rows:
-    """The sequences as rows of their key tokens for the ``rows`` kernel: ``gather`` makes the
-    [R * length] row slots (padding after each row's tokens, and whole rows of it to make R and
-    length multiples of ROWS_MULTIPLE and LENGTH_MULTIPLE, read token 0, seen by no real query),
-    ``query_slot`` is the slot holding each packed token's query."""
+    """The sequences as rows of their key tokens for the ``rows`` kernel: ``keys`` makes the
+    [R * length] row slots of k and v (padding after each row's tokens, and whole rows of it to make R
+    and length multiples of ROWS_MULTIPLE and LENGTH_MULTIPLE, read token 0, seen by no real query),
+    ``queries`` the same slots of q, ``query_slot`` is the slot holding each packed token's query.
+    Only the query slots' outputs are kept, so only they have query gradients, and padding slots
+    have no key gradients: both gathers' backwards skip the slots they know to be zero."""
 
-    gather: Gather
+    keys: Gather
+    queries: Gather
     length: int
     query_slot: torch.Tensor  # [N] int64
     pairs: int  # causal (query, key) pairs the padded rows compute
@@ -126,17 +133,23 @@ class Rows:
         length = -(-max(k_lens[s] for s in rows) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
         count = -(-len(rows) // ROWS_MULTIPLE) * ROWS_MULTIPLE  # rows past the sequences' are all padding
         index = torch.zeros(count, length, dtype=torch.long)
+        real = torch.zeros(count, length, dtype=torch.bool)
         for r, s in enumerate(rows):
             index[r, :k_lens[s]] = keys[s]
+            real[r, :k_lens[s]] = True
         query_slot = torch.empty(cu_q[-1], dtype=torch.long)
         for s, (lq, lk) in enumerate(zip(q_lens, k_lens)):
             r = row_of[host.get(s, s)]
             at = r * length + (lk - lq if host.get(s, s) == s else 0)
             query_slot[cu_q[s]:cu_q[s] + lq] = torch.arange(at, at + lq)
-        return cls(Gather.build(index.flatten(), cu_q[-1]), length, query_slot, count * length * (length + 1) // 2)
+        index, tokens = index.flatten(), cu_q[-1]
+        queried = torch.zeros(len(index), dtype=torch.bool).index_fill_(0, query_slot, True)
+        return cls(Gather.build(index, tokens, real.flatten()), Gather.build(index, tokens, queried), length,
+                   query_slot, count * length * (length + 1) // 2)
 
     def to(self, device: torch.device | str) -> "Rows":
-        return Rows(self.gather.to(device), self.length, self.query_slot.to(device), self.pairs)
+        return Rows(self.keys.to(device), self.queries.to(device), self.length, self.query_slot.to(device),
+                    self.pairs)
 
 
 @dataclass(frozen=True)
@@ -198,7 +211,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Pa
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> torch.Tensor:
     """The ``rows`` kernel: q [N,h,d], k and v [N,k,d] -> [N,h,d]."""
-    qs, ks, vs = (rows.gather(t).unflatten(0, (-1, rows.length)).transpose(1, 2) for t in (q, k, v))
+    qs, ks, vs = (g(t).unflatten(0, (-1, rows.length)).transpose(1, 2)
+                  for g, t in ((rows.queries, q), (rows.keys, k), (rows.keys, v)))
     out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     return _Select.apply(out.transpose(1, 2).flatten(0, 1), rows.query_slot)  # [R*L,h,d] -> [N,h,d]
 
