@@ -50,10 +50,10 @@ from shardflow.data.batch import SequenceBatch  # noqa: E402
 from shardflow.engine.inference import infer  # noqa: E402
 from shardflow.engine.shared_prompts import group_by_prompt, make_shared_micro_batches, split_rows  # noqa: E402
 from shardflow.engine.train.engine import TrainEngine  # noqa: E402
+from shardflow.models import transformer  # noqa: E402
 from shardflow.models.checkpoint import load_model  # noqa: E402
 from shardflow.models.packed_attention import gather_keys, packed_attention  # noqa: E402
 from shardflow.models.tiny import make_tiny_checkpoint  # noqa: E402
-from shardflow.models import transformer  # noqa: E402
 from shardflow.models.transformer import causal_attention  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
 from shardflow.parallel.world import World  # noqa: E402

@@ -72,6 +72,11 @@ class Gather:
         extra = slots[live & (first[index] != slots)]
         return cls(index, first, extra, index[extra])
 
+    @classmethod
+    def single(cls, index: torch.Tensor, slot: torch.Tensor) -> "Gather":
+        """``build`` where token ``t``'s one live slot is ``slot[t]`` (``index[slot[t]] == t``)."""
+        return cls(index, slot, index[:0], index[:0])
+
     def to(self, device: torch.device | str) -> "Gather":
         return Gather(*(t.to(device) for t in (self.index, self.first_slot, self.extra_slot, self.extra_token)))
 
@@ -142,14 +147,13 @@ class Rows:
             r = row_of[host.get(s, s)]
             at = r * length + (lk - lq if host.get(s, s) == s else 0)
             query_slot[cu_q[s]:cu_q[s] + lq] = torch.arange(at, at + lq)
-        index, tokens = index.flatten(), cu_q[-1]
-        queried = torch.zeros(len(index), dtype=torch.bool).index_fill_(0, query_slot, True)
-        return cls(Gather.build(index, tokens, real.flatten()), Gather.build(index, tokens, queried), length,
-                   query_slot, count * length * (length + 1) // 2)
+        keys = Gather.build(index.flatten(), cu_q[-1], real.flatten())
+        return cls(keys, Gather.single(keys.index, query_slot), length, query_slot,
+                   count * length * (length + 1) // 2)
 
     def to(self, device: torch.device | str) -> "Rows":
-        return Rows(self.keys.to(device), self.queries.to(device), self.length, self.query_slot.to(device),
-                    self.pairs)
+        keys, query_slot = self.keys.to(device), self.query_slot.to(device)
+        return Rows(keys, Gather.single(keys.index, query_slot), self.length, query_slot, self.pairs)
 
 
 @dataclass(frozen=True)
