@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from iteration import SHAPES, measure_rates  # noqa: E402
 
-from train_step import kernel_profile  # noqa: E402
+from train_step import kernel_profile, print_idle  # noqa: E402
 
 from shardflow.config.experiment import OptimConfig  # noqa: E402
 from shardflow.data.batch import SequenceBatch  # noqa: E402
@@ -222,7 +222,8 @@ def speed(work: Path, device: torch.device, dtype: torch.dtype, shape: dict, arg
         model.compile_layers()
     engine = TrainEngine(model, layout, world, OptimConfig(lr=1e-7))
     out = {}
-    for name, share, kernel in (("padded", False, "auto"), *((f"shared_{k}", True, k) for k in kernels(device))):
+    cases = (("padded", False, "auto"), *((f"shared_{k}", True, k) for k in kernels(device)))
+    for name, share, kernel in (c for c in cases if args.cases is None or c[0] in args.cases):
         times, metrics = [], {}
         for _ in range(args.steps + 1):
             if device.type == "cuda":
@@ -235,7 +236,7 @@ def speed(work: Path, device: torch.device, dtype: torch.dtype, shape: dict, arg
             times.append(time.perf_counter() - start)
         out[name] = {"step_s": statistics.median(times[1:]), "steps_s": times,
                      "model_tokens": metrics["model_tokens"], "micro_batches": metrics["num_micro_batches"]}
-    if args.profile and device.type == "cuda":
+    if args.profile and device.type == "cuda" and "shared_rows" in out:
         out["shared_rows"]["profile"] = kernel_profile(
             lambda: engine.step(batch, PolicyLoss(), micro_batch_tokens=args.micro_batch_tokens, share_prompts=True,
                                 attention="rows"))
@@ -257,9 +258,14 @@ def main() -> None:
     parser.add_argument("--skip-parity", action="store_true")
     parser.add_argument("--skip-speed", action="store_true", help="no training steps (parity and attention only)")
     parser.add_argument("--profile", action="store_true", help="kernel profile of one shared step (GPU)")
+    parser.add_argument("--cases", type=lambda v: v.split(","), default=None,
+                        help="training steps of these rows only (padded, shared_varlen, shared_rows; default all)")
     parser.add_argument("--trial-tokens", type=int, default=transformer.TRIAL_TOKENS,
                         help="tokens of the compiled layers' first call, whose sizes their kernels are tuned for (GPU)")
     args = parser.parse_args()
+    known = {"padded", "shared_varlen", "shared_rows", "shared_auto"}
+    if args.cases is not None and not set(args.cases) <= known:
+        parser.error(f"unknown --cases {sorted(set(args.cases) - known)}; known: {sorted(known)}")
     transformer.TRIAL_TOKENS = args.trial_tokens
     if args.tiny:
         args.prompts, args.samples, args.prompt_tokens, args.response_tokens = 4, 4, 8, 8
@@ -307,6 +313,7 @@ def main() -> None:
         if prof is not None:
             kinds = ", ".join(f"{k} {v:.0f} ms" for k, v in sorted(prof["device_ms_by_kind"].items(), key=lambda kv: -kv[1]))
             print(f"profiled shared step (rows): {prof['wall_ms']:.0f} ms wall; device time: {kinds}")
+            print_idle(prof["idle"])
             for k in prof["top"]:
                 print(f"    {k['ms']:8.1f} ms x{k['calls']:<5} {k['name']}")
     if (p is not None and not p["ok"]) or not a.get("ok", True):

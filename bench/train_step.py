@@ -223,23 +223,112 @@ KINDS = (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "splitkreduce")), ("att
 
 
 def kernel_profile(step) -> dict:
-    """Device time of one step by kind of kernel, and the top kernels."""
+    """Device time of one step by kind of kernel, the top kernels, and where the device waited on
+    the host (``device_idle``). The host's ops are recorded too (for the idle time's attribution),
+    which slows the host: the profiled step's wall time is above an unprofiled one's."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    events = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    return {"wall_ms": wall * 1e3, **device_time(trace), "idle": device_idle(trace)}
+
+
+def device_time(trace: dict, top: int = 40) -> dict:
+    """A chrome trace's device work summed by kind of kernel (``KINDS``) and by name."""
+    by_name: dict[str, list[float]] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") in DEVICE_WORK:
+            entry = by_name.setdefault(str(e.get("name", "")), [0, 0.0])
+            entry[0] += 1
+            entry[1] += float(e.get("dur", 0)) / 1e3
     kinds: dict[str, float] = {}
-    for e in events:
-        name = e.key.lower()
-        kind = next((k for k, words in KINDS if any(w in name for w in words)), "other")
-        kinds[kind] = kinds.get(kind, 0.0) + e.device_time_total / 1e3
-    return {"wall_ms": wall * 1e3, "device_ms_by_kind": kinds,
-            "top": [dict(name=e.key[:120], calls=e.count, ms=e.device_time_total / 1e3) for e in events[:40]]}
+    for name, (_, ms) in by_name.items():
+        kind = next((k for k, words in KINDS if any(w in name.lower() for w in words)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return {"device_ms_by_kind": kinds,
+            "top": [dict(name=name[:120], calls=calls, ms=ms) for name, (calls, ms) in ranked[:top]]}
+
+
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def device_idle(trace: dict, *, min_gap_us: float = 20.0) -> dict:
+    """Where a profiled step's device had nothing to run (a chrome trace of host and device).
+
+    The device's busy time is the union of its kernels, copies and fills; every gap between them
+    longer than ``min_gap_us`` (shorter ones are the launch latency between queued kernels) is
+    charged to the innermost ``record_function`` range of the host (``shardflow.*``, see
+    ``engine.train.engine``) and the host ops running at the gap's middle (outermost > innermost):
+    what the host was doing while the device waited. Idle time before the first device work counts
+    too; ``short_idle_ms`` is the rest, the gaps under ``min_gap_us``."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    busy = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+                  if e.get("cat") in DEVICE_WORK)
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")]
+    if not busy or not host:
+        return {}
+    begin = min(float(e["ts"]) for e in host)
+    gaps, end = [], begin
+    for a, b in busy:
+        if a - end > min_gap_us:
+            gaps.append((end, a))
+        end = max(end, b)
+    by_range: dict[str, float] = {}
+    rows = []
+    for (a, b), (marks, ops) in zip(gaps, _running(host, [(a + b) / 2 for a, b in gaps])):
+        mark = next((str(e["name"]) for e in reversed(marks) if str(e["name"]).startswith("shardflow.")), "-")
+        op = " > ".join(dict.fromkeys(str(e["name"])[:60] for e in (ops[:1] + ops[-1:]))) or "-"
+        by_range[mark] = by_range.get(mark, 0.0) + (b - a) / 1e3
+        rows.append({"ms": (b - a) / 1e3, "at_ms": (a - begin) / 1e3, "range": mark, "host_op": op})
+    rows.sort(key=lambda r: -r["ms"])
+    return {"span_ms": (end - begin) / 1e3, "busy_ms": sum(b - a for a, b in _merged(busy)) / 1e3,
+            "idle_ms": sum(b - a for a, b in gaps) / 1e3, "gaps": len(gaps),
+            "short_idle_ms": (end - begin - sum(b - a for a, b in _merged(busy)) - sum(b - a for a, b in gaps)) / 1e3,
+            "idle_ms_by_range": dict(sorted(by_range.items(), key=lambda kv: -kv[1])), "longest": rows[:15]}
+
+
+def _running(events: list[dict], times: list[float]) -> list[tuple[list[dict], list[dict]]]:
+    """For each of the ascending ``times``: the annotations and the ops running then, outermost first."""
+    events = sorted(events, key=lambda e: float(e["ts"]))
+    out, active, i = [], [], 0
+    for t in times:
+        while i < len(events) and float(events[i]["ts"]) <= t:
+            active.append(events[i])
+            i += 1
+        active = [e for e in active if float(e["ts"]) + float(e.get("dur", 0)) >= t]
+        out.append(([e for e in active if e.get("cat") == "user_annotation"],
+                    [e for e in active if e.get("cat") != "user_annotation"]))
+    return out
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in intervals:
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def print_idle(idle: dict) -> None:
+    """``device_idle``'s summary, a few lines."""
+    if not idle:
+        return
+    ranges = ", ".join(f"{k} {v:.1f} ms" for k, v in idle["idle_ms_by_range"].items())
+    print(f"  device idle {idle['idle_ms']:.1f} ms in {idle['gaps']} gaps over {idle['span_ms']:.0f} ms "
+          f"(busy {idle['busy_ms']:.0f} ms, {idle['short_idle_ms']:.1f} ms in shorter gaps); by host range: {ranges}")
+    for g in idle["longest"][:8]:
+        print(f"    {g['ms']:7.2f} ms at {g['at_ms']:7.1f} ms  {g['range']}  ({g['host_op']})")
 
 
 def rank_main(world, args, ckpt: str) -> None:
@@ -270,6 +359,7 @@ def rank_main(world, args, ckpt: str) -> None:
             p = r["profile"]
             kinds = ", ".join(f"{k} {v:.0f} ms" for k, v in sorted(p["device_ms_by_kind"].items(), key=lambda kv: -kv[1]))
             print(f"  profiled step: {p['wall_ms']:.0f} ms wall; device time: {kinds}")
+            print_idle(p["idle"])
             for k in p["top"]:
                 print(f"    {k['ms']:8.1f} ms x{k['calls']:<5} {k['name']}")
     record = {"device": device, "ranks": world.size, "model": args.model, "batch": args.batch,

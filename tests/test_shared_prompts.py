@@ -63,6 +63,25 @@ def test_samples_group_by_their_prompt_and_rows_fit_the_budget():
     assert all(sum(r.tokens([6] * 12) for r in run) <= 20 for run in runs)
 
 
+def test_micro_batches_are_built_when_first_used_with_the_planned_shapes():
+    """The pipeline needs every shape before the first micro-batch runs; each micro-batch is built
+    (host work, copies queued to the device) only when the pipeline reaches it, once."""
+    batch = make_group_batch(64)
+    for share in (True, False):
+        _, micro = plan_micro_batches(batch, 40, torch.device("cpu"), outputs_at="loss_mask", share_prompts=share)
+        built = []
+        build = micro._build
+        micro._build = lambda i: built.append(i) or build(i)
+        shapes = list(micro.shapes)
+        assert len(micro) > 2 and built == []
+        last = micro[-1]
+        assert built == [len(micro) - 1] and micro[len(micro) - 1] is last
+        assert [tuple(mb.ids.shape) for mb in micro] == shapes
+        assert sorted(built) == list(range(len(micro))) and micro.tokens() == sum(b * t for b, t in shapes)
+        with pytest.raises(IndexError):
+            micro[len(micro)]
+
+
 def test_prompts_are_shared_only_where_that_saves_tokens():
     batch = make_group_batch(128)  # prompts of 2-8 tokens, responses of 1-11
     def plan(b, budget=40, **kw):

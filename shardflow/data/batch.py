@@ -110,8 +110,8 @@ class SequenceBatch:
 
     def to(self, device: torch.device | str) -> "SequenceBatch":
         return SequenceBatch(self.sample_ids, self.lengths,
-                             {k: v.to(device) for k, v in self.token_fields.items()},
-                             {k: v.to(device) for k, v in self.seq_fields.items()}, self.meta)
+                             {k: to_device(v, device) for k, v in self.token_fields.items()},
+                             {k: to_device(v, device) for k, v in self.seq_fields.items()}, self.meta)
 
     # ----- padded views for model calls ----------------------------------------------------
 
@@ -134,3 +134,13 @@ class SequenceBatch:
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
         """Inverse of ``padded``: [N, T, ...] -> packed [sum(lengths), ...]."""
         return padded[self.token_mask(padded.shape[1]).to(padded.device)]
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t.to(device)``, where a copy from host memory to a GPU goes through pinned memory and does
+    not wait: it queues behind the work already on the device (a copy from pageable memory waits
+    for all of it), and the pinned buffer is not reused before the copy has read it."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

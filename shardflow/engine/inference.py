@@ -57,7 +57,7 @@ def infer(model: Transformer, layout: Layout, world: World, batch: SequenceBatch
         results.append(token_outputs(model, hidden, mb, (what,), temperature=temperature)[what])
         return None
 
-    shapes = [(*mb.ids.shape, model.cfg.hidden_size) for mb in micro]
+    shapes = [(*shape, model.cfg.hidden_size) for shape in micro.shapes]
     pp_group = world.groups.get(layout.pp_group(world.rank))
     forward_only(StageLinks.of(layout, world.rank, pp_group, shapes, dtype, device), forward_step)
     if not shard.last_stage:

@@ -12,11 +12,11 @@ within the budget, so that attention meets few distinct shapes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from shardflow.data.batch import SequenceBatch
+from shardflow.data.batch import SequenceBatch, to_device
 from shardflow.models.packed_attention import PackedSequences
 
 
@@ -77,9 +77,9 @@ def _cut(widths: list[int], budget: int) -> list[tuple[int, int]]:
 class MicroBatch:
     """One micro-batch, ready on the model's device.
 
-    Everything the pipeline loop needs is built before the loop starts: copying a host tensor to
-    a GPU, or indexing with a boolean mask on one, waits for the device, which would stall the
-    pipeline once per micro-batch.
+    Its index tensors are built on the host (indexing with a boolean mask on a GPU waits for it)
+    and reach the device by copies that queue behind its work (``data.batch.to_device``), so that
+    the host builds micro-batch i + 1 while the device runs micro-batch i (``MicroBatches``).
     """
 
     batch: SequenceBatch  # the sequences with every field of the step's batch (fields on the device)
@@ -99,9 +99,37 @@ class MicroBatch:
         return padded.flatten(0, 1)[self.token_index]
 
 
+class MicroBatches(Sequence[MicroBatch]):
+    """A step's micro-batches, each built when first asked for: building one is host work (index
+    tensors, copies queued to the device), done while the device runs the one before instead of
+    all of them before the first starts. Their [B, T] shapes are known from the plan alone (the
+    pipeline's links need them up front)."""
+
+    def __init__(self, shapes: list[tuple[int, int]], build: Callable[[int], MicroBatch]):
+        self.shapes = shapes
+        self._build = build
+        self._built: dict[int, MicroBatch] = {}
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def __getitem__(self, i: int) -> MicroBatch:  # type: ignore[override]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"micro-batch {i} of {len(self)}")
+        i %= len(self)
+        if i not in self._built:
+            mb = self._built[i] = self._build(i)
+            assert tuple(mb.ids.shape) == self.shapes[i], (tuple(mb.ids.shape), self.shapes[i])
+        return self._built[i]
+
+    def tokens(self) -> int:
+        """Tokens the layers run over, padding included."""
+        return sum(b * t for b, t in self.shapes)
+
+
 def make_micro_batches(batch: SequenceBatch, groups: list[list[int]], device: torch.device, *,
                        outputs_at: str | None = None, pad_multiple: int = 1,
-                       max_tokens: int | None = None) -> list[MicroBatch]:
+                       max_tokens: int | None = None) -> MicroBatches:
     """The micro-batches of ``batch`` holding the sequences of each group, on ``device``, each
     padded to its longest sequence rounded up to ``pad_multiple`` (within ``max_tokens``).
 
@@ -109,11 +137,13 @@ def make_micro_batches(batch: SequenceBatch, groups: list[list[int]], device: to
     only ones whose per-token outputs are wanted, so that the model's head runs on their hidden
     states alone (RL losses read responses only, and prompts are often the longer part).
     """
-    out = []
-    for group in groups:
-        mb = batch.select(group)
-        longest = int(mb.lengths.max())
-        ids = mb.padded("input_ids", length=padded_width(longest, pad_multiple, max_tokens or longest))  # [B,T]
+    lengths = batch.lengths.tolist()
+    widths = [padded_width(longest, pad_multiple, max_tokens or longest)
+              for longest in (max(lengths[i] for i in group) for group in groups)]
+
+    def build(i: int) -> MicroBatch:
+        mb = batch.select(groups[i])
+        ids = mb.padded("input_ids", length=widths[i])  # [B,T]
         width = ids.shape[1]
         rows = torch.repeat_interleave(torch.arange(len(mb)), mb.lengths)  # [num_tokens]
         cols = torch.arange(mb.num_tokens) - torch.repeat_interleave(mb.offsets[:-1], mb.lengths)
@@ -123,14 +153,15 @@ def make_micro_batches(batch: SequenceBatch, groups: list[list[int]], device: to
             keep = (mb.token_fields[outputs_at].cpu() > 0) & (cols > 0)
             if keep.any():  # else all outputs, zero-weighted by the same field: no empty head call
                 wanted = wanted_outputs(mb, keep, flat, device)
-        out.append(MicroBatch(
+        return MicroBatch(
             batch=mb.to(device),
-            ids=ids.to(device),
+            ids=to_device(ids, device),
             positions=torch.arange(width, device=device).expand(ids.shape),
-            token_index=flat.to(device),
+            token_index=to_device(flat, device),
             **wanted,
-        ))
-    return out
+        )
+
+    return MicroBatches([(len(group), width) for group, width in zip(groups, widths)], build)
 
 
 def wanted_outputs(mb: SequenceBatch, keep: torch.Tensor, flat: torch.Tensor,
@@ -139,5 +170,5 @@ def wanted_outputs(mb: SequenceBatch, keep: torch.Tensor, flat: torch.Tensor,
     first, which nothing predicts): indices built here, on the host, since a boolean mask indexed
     on the device waits for it. ``flat``: each packed token's position in the model's rows."""
     index = keep.nonzero()[:, 0]
-    return {"wanted": index.to(device), "wanted_before": flat[index - 1].to(device),
-            "wanted_targets": mb.token_fields["input_ids"].cpu()[index].to(device)}
+    return {"wanted": to_device(index, device), "wanted_before": to_device(flat[index - 1], device),
+            "wanted_targets": to_device(mb.token_fields["input_ids"].cpu()[index], device)}

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 from torch.distributed import ProcessGroup
+from torch.profiler import record_function
 
 from shardflow.parallel import comm
 from shardflow.parallel.layout import Layout
@@ -102,13 +103,15 @@ def train_1f1b(links: StageLinks, stage: int, num_stages: int, forward_step: For
     def forward(i: int, x: torch.Tensor | None) -> torch.Tensor:
         if x is not None:
             x.requires_grad_()
-        return forward_step(i, x)
+        with record_function("shardflow.forward"):
+            return forward_step(i, x)
 
     def backward(j: int, grad_out: torch.Tensor | None) -> torch.Tensor | None:
         x, y = in_flight.popleft()
         before_backward(j)
         # Last stage: y is the loss. Otherwise the gradient of y comes from the next stage.
-        torch.autograd.backward(y, grad_out)
+        with record_function("shardflow.backward"):
+            torch.autograd.backward(y, grad_out)
         return None if x is None else x.grad
 
     for i in range(warmup):
@@ -139,5 +142,7 @@ def train_1f1b(links: StageLinks, stage: int, num_stages: int, forward_step: For
 def forward_only(links: StageLinks, forward_step: ForwardStep) -> None:
     """Every micro-batch through this stage in order (inference): receive, run, send on."""
     for i in range(len(links.shapes)):
-        y = forward_step(i, links.recv_forward(i))
+        x = links.recv_forward(i)
+        with record_function("shardflow.forward"):
+            y = forward_step(i, x)
         links.send_forward(y)

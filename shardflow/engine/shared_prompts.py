@@ -17,19 +17,26 @@ from dataclasses import dataclass
 
 import torch
 
-from shardflow.data.batch import SequenceBatch
-from shardflow.engine.micro_batches import MicroBatch, make_micro_batches, split_by_tokens, wanted_outputs
+from shardflow.data.batch import SequenceBatch, to_device
+from shardflow.engine.micro_batches import (
+    MicroBatch,
+    MicroBatches,
+    make_micro_batches,
+    split_by_tokens,
+    wanted_outputs,
+)
 from shardflow.models.packed_attention import LENGTH_MULTIPLE, PackedSequences
 from shardflow.perf.sharing import MIN_SAVING
 
 
 def plan_micro_batches(batch: SequenceBatch, max_tokens: int, device: torch.device, *, min_micro_batches: int = 1,
                        outputs_at: str | None = None, share_prompts: bool = False, attention: str = "auto",
-                       ) -> tuple[list[list[int]], list[MicroBatch]]:
+                       ) -> tuple[list[list[int]], MicroBatches]:
     """The batch's samples (indices) in each micro-batch, and the micro-batches on ``device``:
     prompts shared when asked (which needs ``outputs_at``) and when that saves at least
     ``MIN_SAVING`` of the padded rows' tokens, else padded rows (``micro_batches``). ``attention``:
-    the shared rows' kernel (``models.packed_attention``)."""
+    the shared rows' kernel (``models.packed_attention``). Each micro-batch is built when first
+    used (``MicroBatches``)."""
     lengths = batch.lengths.tolist()
     pad = LENGTH_MULTIPLE if device.type == "cuda" else 1  # few shapes for cuDNN's attention plans
     groups = split_by_tokens(lengths, max_tokens, min_micro_batches=min_micro_batches, pad_multiple=pad)
@@ -121,9 +128,11 @@ def split_rows(rows: list[SharedRow], lengths: list[int], max_tokens: int, *,
 
 
 def make_shared_micro_batches(batch: SequenceBatch, runs: list[list[SharedRow]], device: torch.device, *,
-                              outputs_at: str, attention: str = "auto") -> list[MicroBatch]:
+                              outputs_at: str, attention: str = "auto") -> MicroBatches:
     """One packed row [1, T] per micro-batch; its sequences are the rows' samples in order."""
-    return [_shared_micro_batch(batch, run, device, outputs_at, attention) for run in runs]
+    lengths = batch.lengths.tolist()
+    return MicroBatches([(1, sum(row.tokens(lengths) for row in run)) for run in runs],
+                        lambda i: _shared_micro_batch(batch, runs[i], device, outputs_at, attention))
 
 
 def samples_of(run: list[SharedRow]) -> list[int]:
@@ -166,9 +175,9 @@ def _shared_micro_batch(batch: SequenceBatch, run: list[SharedRow], device: torc
     packed = PackedSequences.build(torch.cat(kv), q_lens, k_lens, kernel=attention)
     return MicroBatch(
         batch=mb.to(device),
-        ids=torch.cat(row_ids)[None].to(device),
-        positions=torch.cat(positions)[None].to(device),
-        token_index=flat_index.to(device),
+        ids=to_device(torch.cat(row_ids)[None], device),
+        positions=to_device(torch.cat(positions)[None], device),
+        token_index=to_device(flat_index, device),
         packed=packed.to(device),
         **(wanted_outputs(mb, keep, flat_index, device) if keep.any() else {}),
     )

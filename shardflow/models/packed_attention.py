@@ -33,6 +33,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from shardflow.data.batch import to_device
+
 KERNELS = ("auto", "rows", "varlen")
 # cuDNN's causal attention over padded rows against flash attention's variable-length kernel over
 # the same sequences, forward + backward on an H200 (bench/train_attention.py, Qwen3 heads):
@@ -78,7 +80,7 @@ class Gather:
         return cls(index, slot, index[:0], index[:0])
 
     def to(self, device: torch.device | str) -> "Gather":
-        return Gather(*(t.to(device) for t in (self.index, self.first_slot, self.extra_slot, self.extra_token)))
+        return Gather(*(to_device(t, device) for t in (self.index, self.first_slot, self.extra_slot, self.extra_token)))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _Gather.apply(x, self)
@@ -152,7 +154,7 @@ class Rows:
                    count * length * (length + 1) // 2)
 
     def to(self, device: torch.device | str) -> "Rows":
-        keys, query_slot = self.keys.to(device), self.query_slot.to(device)
+        keys, query_slot = self.keys.to(device), to_device(self.query_slot, device)
         return Rows(keys, Gather.single(keys.index, query_slot), self.length, query_slot, self.pairs)
 
 
@@ -186,9 +188,9 @@ class PackedSequences:
         return self.keys.index
 
     def to(self, device: torch.device | str) -> "PackedSequences":
-        return PackedSequences(self.keys.to(device), self.cu_q.to(device), self.cu_k.to(device), self.max_q,
-                               self.max_k, self.pairs, self.rows.to(device) if self.rows is not None else None,
-                               self.kernel)
+        return PackedSequences(self.keys.to(device), to_device(self.cu_q, device), to_device(self.cu_k, device),
+                               self.max_q, self.max_k, self.pairs,
+                               self.rows.to(device) if self.rows is not None else None, self.kernel)
 
     def use_rows(self, device: torch.device) -> bool:
         """Whether the ``rows`` kernel runs (see the module's note)."""

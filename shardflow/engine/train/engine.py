@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from shardflow.config.experiment import OptimConfig
 from shardflow.config.files import read_json
@@ -131,11 +132,14 @@ class TrainEngine:
         self._check_batch(batch, temperature)
         # The losses read outputs at response tokens only (loss_mask): the head skips the prompts.
         wanted = "loss_mask" if "loss_mask" in batch.token_fields else None
-        _, micro = plan_micro_batches(batch, micro_batch_tokens, self.device, min_micro_batches=self.layout.pp,
-                                      outputs_at=wanted,
-                                      share_prompts=share_prompts and not self.model.has_sliding_windows,
-                                      attention=attention)
-        normalizer = self._global_normalizer(loss_fn.normalizer(batch))
+        # Named ranges (shardflow.*) show a profile where the step's time goes, host and device.
+        with record_function("shardflow.plan"):
+            _, micro = plan_micro_batches(batch, micro_batch_tokens, self.device, min_micro_batches=self.layout.pp,
+                                          outputs_at=wanted,
+                                          share_prompts=share_prompts and not self.model.has_sliding_windows,
+                                          attention=attention)
+        with record_function("shardflow.normalizer"):
+            normalizer = self._global_normalizer(loss_fn.normalizer(batch))
 
         names = VALUE_OUTPUTS if self.cfg.value_head else LM_OUTPUTS
         sums: dict[str, torch.Tensor] = {}  # loss and stats, summed over micro-batches
@@ -160,34 +164,36 @@ class TrainEngine:
 
         self.grads.zero()
         hidden_size = self.cfg.hidden_size
-        shapes = [(*mb.ids.shape, hidden_size) for mb in micro]
+        shapes = [(*shape, hidden_size) for shape in micro.shapes]
         dtype = next(iter(self.model.parameters())).dtype
         links = StageLinks.of(self.layout, self.world.rank, self.pp_group, shapes, dtype, self.device)
         train_1f1b(links, shard.stage, self.layout.pp, forward_step, before_backward)
 
-        self.grads.finish_reduce()  # dp all-reduce, started during the last backward
-        # Loss and stats: one all-reduce (sum) over the dp group, on the last stage. After the
-        # gradient buckets, so that every replica issues the dp collectives in the same order.
-        keys = sorted(sums)
-        stats = torch.stack([sums[k] for k in keys]) if keys else torch.zeros(0, device=self.device)
-        if keys:
-            comm.all_reduce(stats, self.dp_group)
-        sum_partial_tp_grads(self.grads, shard, self.tp_group)
-        sum_tied_embedding_grads(self.grads, self.cfg, shard, self.layout, self.pp_group)
-        self.grads.collect_owned()
-        norm = global_grad_norm(self._counted, self.layout_group, self.device)
+        with record_function("shardflow.reduce"):
+            self.grads.finish_reduce()  # dp all-reduce, started during the last backward
+            # Loss and stats: one all-reduce (sum) over the dp group, on the last stage. After the
+            # gradient buckets, so that every replica issues the dp collectives in the same order.
+            keys = sorted(sums)
+            stats = torch.stack([sums[k] for k in keys]) if keys else torch.zeros(0, device=self.device)
+            if keys:
+                comm.all_reduce(stats, self.dp_group)
+            sum_partial_tp_grads(self.grads, shard, self.tp_group)
+            sum_tied_embedding_grads(self.grads, self.cfg, shard, self.layout, self.pp_group)
+            self.grads.collect_owned()
+            norm = global_grad_norm(self._counted, self.layout_group, self.device)
 
-        # The step's second and last host synchronisation (the first read the normalizer):
-        # metrics, and whether the gradient norm is finite.
-        values = torch.cat([norm.reshape(1), stats]).tolist()
+            # The step's second and last host synchronisation (the first read the normalizer):
+            # metrics, and whether the gradient norm is finite.
+            values = torch.cat([norm.reshape(1), stats]).tolist()
         grad_norm, stats_values = values[0], values[1:]
         lr = lr_at(self.optim, self.step_count + 1)
         skipped = not math.isfinite(grad_norm)
         if not skipped:
-            self._update(norm, lr)
+            with record_function("shardflow.optimizer"):
+                self._update(norm, lr)
         metrics = dict(zip(keys, stats_values))
         metrics.update(grad_norm=grad_norm, lr=lr, num_micro_batches=float(len(micro)), skipped=float(skipped),
-                       model_tokens=float(sum(mb.ids.numel() for mb in micro)))
+                       model_tokens=float(micro.tokens()))
         return metrics
 
     @torch.no_grad()
