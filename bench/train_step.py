@@ -12,10 +12,11 @@ In one launch (one process per rank):
    that fits; after one warm-up step, ``--steps`` steps of a token-mean loss over a batch of
    variable-length sequences: ms per step, real tokens per second, model TFLOP/s per device,
    padding overhead, peak memory, and (CUDA) host synchronisations per step, as reported by
-   ``torch.cuda.set_sync_debug_mode``. Expected: two per step (normalizer and metrics) plus one
-   per tensor copied to the device while micro-batches are prepared, before the pipeline runs;
+   ``torch.cuda.set_sync_debug_mode``. Expected: two per step (normalizer and metrics); the
+   micro-batches' tensors reach the device by copies that do not wait (``data.batch.to_device``);
 3. with ``--profile`` (GPU): a kernel-level profile of one step of the first layout on rank 0,
-   device time by kind (matrix products, attention, optimizer, the rest) and the top kernels.
+   device time by kind (matrix products, attention, optimizer, the rest), the top kernels, and the
+   device's idle time charged to what the host was doing then (``device_idle``).
 ``--model qwen3-1.7b --batch 256 --max-len 576 --equal-lengths --compile`` is the shape of
 ``bench/iteration.py``'s GRPO training call with every sample's prompt in its own row; the call as
 the iteration runs it (a prompt held once for its samples) is profiled by ``bench/shared_prompts.py

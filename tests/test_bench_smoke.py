@@ -5,6 +5,7 @@ nothing; bench/ and BENCHMARKS.md hold the measured ones.)"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from background import Background, selected
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -37,14 +40,37 @@ CASES = {  # script: (arguments, JSON it writes)
 }
 
 
-@pytest.mark.parametrize("script", sorted(CASES))
-def test_benchmark_runs_on_cpu(script, tmp_path):
-    args, written = CASES[script]
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> Background:
+    """The module's subprocess checks, started together (``background``): each selected script's
+    CPU mode (writing into ``outs[script]``), and the two checks in Triton's interpreter below."""
+    bg = Background()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(BENCH / script), *args, "--out", str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    for item in selected(request, "test_benchmark_runs_on_cpu"):
+        script = item.callspec.params["script"]
+        bg.outs[script] = tmp_path_factory.mktemp(script.removesuffix(".py"))
+        bg.start(script, [sys.executable, str(BENCH / script), *CASES[script][0], "--out", str(bg.outs[script])],
+                 env=env, timeout=300)
+    if importlib.util.find_spec("triton") is not None:
+        interpret = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+        if selected(request, "test_decode_profile_sweep_and_summary_in_the_interpreter"):
+            code = "import test_bench_smoke as t; t.check_decode_profile_summary(); print('checked')"
+            bg.start("decode_profile_summary", [sys.executable, "-c", code], cwd=Path(__file__).parent, env=interpret,
+                     timeout=300)
+        if selected(request, "test_prompt_kv_cascade_equals_the_engine_kernel_in_the_interpreter"):
+            bg.outs["prompt_kv"] = tmp_path_factory.mktemp("prompt_kv")
+            bg.start("prompt_kv", [sys.executable, str(BENCH / "prompt_kv_attention.py"), "--tiny", "--out",
+                                   str(bg.outs["prompt_kv"])], env={**interpret, "CUDA_VISIBLE_DEVICES": ""},
+                     timeout=300)
+    yield bg
+    bg.close()
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_benchmark_runs_on_cpu(script, runs):
+    done = runs.result(script)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
-    result = json.loads((tmp_path / written).read_text())
+    result = json.loads((runs.outs[script] / CASES[script][1]).read_text())
     assert isinstance(result, dict)
     # the planner's estimate is contained (so that the measurements survive) but must not fail here
     # (TRL may: it is not a test dependency)
@@ -63,25 +89,20 @@ def check_decode_profile_summary() -> None:
     dp.print_summary({"attention": rows, "linear": [], "sampler": [], "profile": {}})
 
 
-def test_decode_profile_sweep_and_summary_in_the_interpreter():
+def test_decode_profile_sweep_and_summary_in_the_interpreter(runs):
     pytest.importorskip("triton")
-    code = "import test_bench_smoke as t; t.check_decode_profile_summary(); print('checked')"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = runs.result("decode_profile_summary")
     assert done.returncode == 0 and "checked" in done.stdout and "attention b1 ctx128: picked" in done.stdout, \
         done.stderr[-4000:]
 
 
-def test_prompt_kv_cascade_equals_the_engine_kernel_in_the_interpreter(tmp_path):
+def test_prompt_kv_cascade_equals_the_engine_kernel_in_the_interpreter(runs):
     """The cascade of bench/prompt_kv_attention.py (the prompt's positions read once per prompt)
     gives the engine's decode attention output."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path), "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(BENCH / "prompt_kv_attention.py"), "--tiny", "--out", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = runs.result("prompt_kv")
     assert done.returncode == 0, done.stderr[-4000:]
-    rows = json.loads((tmp_path / "prompt_kv_attention.json").read_text())["rows"]
+    rows = json.loads((runs.outs["prompt_kv"] / "prompt_kv_attention.json").read_text())["rows"]
     assert rows and all(r["max_abs_diff"] < 1e-5 for r in rows)
 
 

@@ -7,13 +7,14 @@ Triton picks the interpreter when a kernel is defined, so the checks run in a fr
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
+from background import WORKERS, Background
 from shardflow.engine.generate.decode_attention import decode_attention_torch
 
 pytest.importorskip("triton")
@@ -223,12 +224,18 @@ def check_engine_sharing_prompts(path: str) -> None:
 def test_triton_kernel_matches_torch_in_the_interpreter(checkpoints):
     path = checkpoints.get("mistral_window", "mistral")  # a sliding window in decode too
     plain = checkpoints.get("llama_plain", "llama")
-    code = (f"import test_decode_attention as t; t.check_kernel(); t.check_shared_prompts(); t.check_paged(); "
-            f"t.check_engine({path!r}); t.check_engine_sharing_prompts({plain!r}); print('checked')")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-4000:]
+    bg = Background()  # the kernel's checks and the engine's, side by side
+    for key, checks in (("kernel", "t.check_kernel(); t.check_shared_prompts(); t.check_paged()"),
+                        ("engine", f"t.check_engine({path!r}); t.check_engine_sharing_prompts({plain!r})")):
+        bg.start(key, [sys.executable, "-c", f"import test_decode_attention as t; {checks}; print('checked')"],
+                 cwd=Path(__file__).parent, env=env, timeout=600)
+    try:
+        for key in ("kernel", "engine"):
+            done = bg.result(key)
+            assert done.returncode == 0 and "checked" in done.stdout, (key, done.stderr[-4000:])
+    finally:
+        bg.close()
 
 
 def test_torch_path_masks_past_the_length_and_outside_the_window():
@@ -267,10 +274,13 @@ def test_kernels_compile_for_hopper():
                                                                           "num_stages": da.NUM_STAGES})
 
     knobs = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK=da.BLOCK_N, PRECISION="tf32", UPCAST=False)
+    variants = []
     for group in (2, 4):  # Qwen3-1.7B's and LLaMA-3.1-8B's query heads per KV head
         for paged in (False, True):
             for splits, shared in ((1, False), (3, False), (1, True), (3, True)):
-                compile_for_hopper(da._split_kernel, dict(knobs, GROUP=group, SPLITS=splits, BLOCK_H=16,
-                                                          SHARED=shared, PAGED=paged))
-            compile_for_hopper(da._prompt_kernel, dict(knobs, GROUP=group, ROWS=da.PROMPT_ROWS,
-                                                       BLOCK_Q=max(16, da.PROMPT_ROWS * group), PAGED=paged))
+                variants.append((da._split_kernel, dict(knobs, GROUP=group, SPLITS=splits, BLOCK_H=16,
+                                                        SHARED=shared, PAGED=paged)))
+            variants.append((da._prompt_kernel, dict(knobs, GROUP=group, ROWS=da.PROMPT_ROWS,
+                                                     BLOCK_Q=max(16, da.PROMPT_ROWS * group), PAGED=paged)))
+    with ThreadPoolExecutor(WORKERS) as pool:  # Triton's passes and ptxas run outside the GIL
+        list(pool.map(lambda variant: compile_for_hopper(*variant), variants))

@@ -5,12 +5,13 @@ interpreter when a kernel is defined); and the CPU ``sample`` unchanged."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from background import Background, selected
 
 from shardflow.engine.generate.sampling import (
     GREEDY,
@@ -179,21 +180,27 @@ def check_op() -> None:
         args = tuple(a[:2] for a in args[:4]) + args[4:]
 
 
-def run_interpreted(check: str) -> None:
+@pytest.fixture(scope="module")
+def interpreted(request) -> Background:
+    """The selected checks, each in a fresh process in Triton's interpreter, side by side."""
     # One torch thread: on a 2-core machine with torch 2.13, the first multi-threaded float32 logs
     # of a fresh process were seen off by 1e-4 (relative) in about one process of twenty, with or
     # without Triton, which made the torch reference and not the kernel wrong.
-    code = f"import torch; torch.set_num_threads(1); import test_sampling_kernel as t; t.{check}(); print('checked')"
+    bg = Background()
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-4000:]
+    for item in selected(request, "test_kernel_matches_torch_in_the_interpreter"):
+        check = item.callspec.params["check"]
+        code = f"import torch; torch.set_num_threads(1); import test_sampling_kernel as t; t.{check}(); print('checked')"
+        bg.start(check, [sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, timeout=300)
+    yield bg
+    bg.close()
 
 
 @pytest.mark.parametrize("check", ["check_hash", "check_mixed_rows", "check_batch_one_and_ties",
                                    "check_vocab_parallel", "check_op"])
-def test_kernel_matches_torch_in_the_interpreter(check):
-    run_interpreted(check)
+def test_kernel_matches_torch_in_the_interpreter(check, interpreted):
+    done = interpreted.result(check)
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-4000:]
 
 
 def test_chunks_cover_the_vocabulary_with_whole_blocks():

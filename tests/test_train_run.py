@@ -36,18 +36,15 @@ def example(tmp_path_factory) -> dict:
     return example_config(tmp_path_factory.mktemp("example"))
 
 
-def test_example_reward_rises(pool, example, tmp_path):
+def test_example_run_writes_its_plan_timeline_and_a_transformers_checkpoint(pool, example, tmp_path):
+    # That the example's reward rises under GRPO (and every other online algorithm) is
+    # tests/test_algorithms.py's; here, what a run leaves behind.
     out = tmp_path / "run"
-    pool.run(train_job, example, ["run.iterations=30", f"run.out_dir={out}", "run.progress=false",
+    pool.run(train_job, example, ["run.iterations=2", f"run.out_dir={out}", "run.progress=false",
                                   "run.tensorboard=false"])
-    rewards = [m["reward/mean"] for m in metrics(out)]
-    assert len(rewards) == 30
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    # GRPO on the warm-started tiny model: ~0.3 at the start, ~0.6-0.8 after 30 iterations.
-    assert last > first + 0.15, rewards
+    assert [m["step"] for m in metrics(out)] == [1, 2]
     assert (out / "timeline.png").is_file() and (out / "plan.yaml").is_file()
-    # The final checkpoint is a transformers checkpoint.
-    saved = out / "checkpoints" / "iter-000030" / "actor"
+    saved = out / "checkpoints" / "iter-000002" / "actor"
     transformers.AutoModelForCausalLM.from_pretrained(saved)
 
 

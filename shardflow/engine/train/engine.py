@@ -16,7 +16,8 @@ batch (all ranks of a replica pass the same share). A step:
 
 The loss and its stats come back on the last stage's ranks; gradient norm and learning rate on
 every rank. Two host synchronisations per step read the normalizer and the metrics; none
-happens per micro-batch (micro-batches reach the device before the pipeline starts).
+happens per micro-batch: each is built on the host while the device runs the one before, and
+its tensors reach the device by copies that queue behind that work (``engine.micro_batches``).
 """
 
 from __future__ import annotations
