@@ -22,7 +22,10 @@ rows: parity on this device, then the training call's time on the GRPO iteration
 3. speed: one training step of the GRPO iteration's call (``--prompts`` x ``--samples`` sequences of
    ``--prompt-tokens`` + ``--response-tokens``), padded and shared (each kernel), median of
    ``--steps`` after a warm-up, with the tokens each runs through the layers; with ``--profile``
-   (GPU), the device time of one shared step by kind of kernel, and its top kernels.
+   (GPU), the device time of one shared step by kind of kernel, its top kernels, and where the
+   device waited on the host. Each row also gives the host's work on its micro-batches: before the
+   first (the plan and the first micro-batch: the device idles) and in all.
+With ``--host-only`` (any machine, no model): that host work alone, into ``host_work.json``.
 Prints a table and writes ``shared_prompts.json`` to ``--out``.
 """
 
@@ -48,7 +51,12 @@ from train_step import kernel_profile, print_idle  # noqa: E402
 from shardflow.config.experiment import OptimConfig  # noqa: E402
 from shardflow.data.batch import SequenceBatch  # noqa: E402
 from shardflow.engine.inference import infer  # noqa: E402
-from shardflow.engine.shared_prompts import group_by_prompt, make_shared_micro_batches, split_rows  # noqa: E402
+from shardflow.engine.shared_prompts import (  # noqa: E402
+    group_by_prompt,
+    make_shared_micro_batches,
+    plan_micro_batches,
+    split_rows,
+)
 from shardflow.engine.train.engine import TrainEngine  # noqa: E402
 from shardflow.models import transformer  # noqa: E402
 from shardflow.models.checkpoint import load_model  # noqa: E402
@@ -235,12 +243,48 @@ def speed(work: Path, device: torch.device, dtype: torch.dtype, shape: dict, arg
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         out[name] = {"step_s": statistics.median(times[1:]), "steps_s": times,
-                     "model_tokens": metrics["model_tokens"], "micro_batches": metrics["num_micro_batches"]}
+                     "model_tokens": metrics["model_tokens"], "micro_batches": metrics["num_micro_batches"],
+                     **host_work(batch, device, args.micro_batch_tokens, share, kernel)}
     if args.profile and device.type == "cuda" and "shared_rows" in out:
         out["shared_rows"]["profile"] = kernel_profile(
             lambda: engine.step(batch, PolicyLoss(), micro_batch_tokens=args.micro_batch_tokens, share_prompts=True,
                                 attention="rows"))
     return out
+
+
+def host_work(batch: SequenceBatch, device: torch.device, budget: int, share: bool, kernel: str) -> dict:
+    """The step's host work on its micro-batches, median of 3: the plan and the first micro-batch
+    (before the device has anything to run) and all of them (each built while the device runs the
+    one before; ``engine.micro_batches.MicroBatches``)."""
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        _, micro = plan_micro_batches(batch, budget, device, outputs_at="loss_mask", share_prompts=share,
+                                      attention=kernel)
+        micro[0]
+        first = time.perf_counter()
+        for _ in micro:
+            pass
+        runs.append((first - start, time.perf_counter() - start))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return {"host_before_first_ms": 1e3 * statistics.median(r[0] for r in runs),
+            "host_all_ms": 1e3 * statistics.median(r[1] for r in runs)}
+
+
+def host_only(device: torch.device, out: Path, args) -> None:
+    """``host_work`` of each case on the workload's batch, printed and written to host_work.json."""
+    shape = TINY_SHAPE if args.tiny else SHAPES[args.shape]
+    batch = group_batch(shape["vocab_size"], args.prompts, args.samples, (args.prompt_tokens,) * 2,
+                        (args.response_tokens,) * 2, seed=1)
+    cases = (("padded", False, "auto"), *((f"shared_{k}", True, k) for k in kernels(device)))
+    rows = {name: host_work(batch, device, args.micro_batch_tokens, share, kernel)
+            for name, share, kernel in cases if args.cases is None or name in args.cases}
+    (out / "host_work.json").write_text(json.dumps({"device": str(device), "args": vars(args), "rows": rows}, indent=2))
+    print(f"host work on the micro-batches ({args.prompts} prompts x {args.samples} samples x "
+          f"{args.prompt_tokens}+{args.response_tokens} tokens, {device}), ms: before the first / all")
+    for name, row in rows.items():
+        print(f"  {name}: {row['host_before_first_ms']:.1f} / {row['host_all_ms']:.1f}")
 
 
 def main() -> None:
@@ -262,6 +306,8 @@ def main() -> None:
                         help="training steps of these rows only (padded, shared_varlen, shared_rows; default all)")
     parser.add_argument("--trial-tokens", type=int, default=transformer.TRIAL_TOKENS,
                         help="tokens of the compiled layers' first call, whose sizes their kernels are tuned for (GPU)")
+    parser.add_argument("--host-only", action="store_true",
+                        help="only the host's work on the micro-batches of each case (no model; any machine)")
     args = parser.parse_args()
     known = {"padded", "shared_varlen", "shared_rows", "shared_auto"}
     if args.cases is not None and not set(args.cases) <= known:
@@ -274,6 +320,9 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.host_only:
+        host_only(device, out, args)
+        return
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "dtype": str(dtype), "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -304,11 +353,12 @@ def main() -> None:
             f"{k} {a[f'shared_{k}_err']['out']:.1e}, " + ", ".join(f"{e:.1e}" for e in a[f"shared_{k}_err"]["grads"])
             for k in kernels(device)) + f" -> {'ok' if a['ok'] else 'FAILED'}")
     if "speed" in result:
-        print(f"| rows | s/step | tokens through the layers | micro-batches |  ({args.prompts} prompts x "
-              f"{args.samples} samples x {args.prompt_tokens}+{args.response_tokens} tokens)")
-        print("|---|---:|---:|---:|")
+        print(f"| rows | s/step | tokens through the layers | micro-batches | host ms: before the first / all |  "
+              f"({args.prompts} prompts x {args.samples} samples x {args.prompt_tokens}+{args.response_tokens} tokens)")
+        print("|---|---:|---:|---:|---:|")
         for name, row in result["speed"].items():
-            print(f"| {name} | {row['step_s']:.3f} | {row['model_tokens']:.0f} | {row['micro_batches']:.0f} |")
+            print(f"| {name} | {row['step_s']:.3f} | {row['model_tokens']:.0f} | {row['micro_batches']:.0f} | "
+                  f"{row['host_before_first_ms']:.1f} / {row['host_all_ms']:.1f} |")
         prof = result["speed"].get("shared_rows", {}).get("profile")
         if prof is not None:
             kinds = ", ".join(f"{k} {v:.0f} ms" for k, v in sorted(prof["device_ms_by_kind"].items(), key=lambda kv: -kv[1]))
