@@ -144,3 +144,28 @@ def test_device_idle_charges_each_gap_to_what_the_host_was_doing():
     assert idle["idle_ms_by_range"] == pytest.approx({"shardflow.plan": 0.095, "shardflow.forward": 0.035})
     assert idle["short_idle_ms"] == pytest.approx(0.010) and idle["busy_ms"] == pytest.approx(0.160)
     assert idle["longest"][0]["host_op"] == "aten::to > cudaMemcpyAsync" and idle["longest"][1]["host_op"] == "-"
+
+
+def test_paired_runs_a_benchmark_on_the_checkout_and_an_exported_commit(tmp_path):
+    """bench/paired.py in a clone of this repository (this checkout's paired.py copied in): a
+    commit's tree exported with the checkout's bench/, then one script run in both."""
+    if subprocess.run(["git", "-C", str(BENCH.parent), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--shared", str(BENCH.parent), str(clone)], check=True)
+    (clone / "bench" / "paired.py").write_text((BENCH / "paired.py").read_text())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "CUDA_VISIBLE_DEVICES": ""}
+    paired = [sys.executable, str(clone / "bench" / "paired.py")]
+    done = subprocess.run([*paired, "prepare", "--trees", "HEAD"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [tree] = (clone / "_trees").iterdir()
+    assert (tree / "bench" / "paired.py").read_text() == (BENCH / "paired.py").read_text()
+    assert "/_trees/" in (clone / ".git" / "info" / "exclude").read_text()
+    assert "_trees" not in subprocess.run(["git", "-C", str(clone), "status", "--porcelain"], capture_output=True,
+                                          text=True).stdout
+    done = subprocess.run([*paired, "run", "--out", str(tmp_path / "out"), "--script", "token_stats.py", "--grep",
+                           "variant", "--", "--tiny"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    runs = json.loads((tmp_path / "out" / "paired.json").read_text())["runs"]
+    assert [r["name"] for r in runs] == ["head", tree.name] and all(r["returncode"] == 0 for r in runs)
+    assert all((tmp_path / "out" / r["name"] / "token_stats.json").is_file() for r in runs)

@@ -1,0 +1,114 @@
+"""One benchmark on several commits' trees, in turn, on one machine: paired figures for a change.
+
+A change's effect on a GPU is often smaller than the spread from machine to machine, so its
+before and after are measured in one call. Here, in the checkout (git needed):
+
+    python bench/paired.py prepare --trees 424435d,3767c62
+
+exports each commit's tree into ``_trees/REV/`` (ignored by git: ``.git/info/exclude``) with this
+checkout's ``bench/`` copied over it, so that every tree runs the same measuring code. On the
+measuring machine (``_trees`` carried along), the checkout itself first, then each tree:
+
+    python bench/paired.py run --out DIR --script shared_prompts.py --grep 'shared_rows|idle' -- \\
+        --skip-parity --cases shared_rows --profile
+
+Each run gets empty compile caches of its own (inductor's cache keys sizes by name, so a second
+run would reuse the first one's kernels), its output in ``DIR/NAME.log`` and its ``--out`` in
+``DIR/NAME/``; the lines of each log matching ``--grep`` are printed, and ``paired.json`` lists
+the runs (tree, commit, exit status, seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TREES = "_trees"
+
+
+def prepare(revisions: list[str], root: Path = ROOT) -> list[Path]:
+    """``root/_trees/REV`` for each revision: its tree with ``root``'s bench/ over it."""
+    exclude = root / ".git" / "info" / "exclude"
+    if f"/{TREES}/" not in (exclude.read_text() if exclude.is_file() else ""):
+        exclude.parent.mkdir(parents=True, exist_ok=True)
+        with exclude.open("a") as f:
+            f.write(f"\n/{TREES}/\n")
+    made = []
+    for rev in revisions:
+        commit = subprocess.run(["git", "rev-parse", "--short", f"{rev}^{{commit}}"], cwd=root, check=True,
+                                capture_output=True, text=True).stdout.strip()
+        tree = root / TREES / commit
+        shutil.rmtree(tree, ignore_errors=True)
+        tree.mkdir(parents=True)
+        archive = subprocess.run(["git", "archive", commit], cwd=root, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        shutil.copytree(root / "bench", tree / "bench", dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        made.append(tree)
+    return made
+
+
+def run(out: Path, script: str, args: list[str], grep: str | None, timeout: float, root: Path = ROOT) -> list[dict]:
+    """``bench/SCRIPT ARGS --out DIR/NAME`` in the checkout (NAME ``head``) and in each prepared tree."""
+    trees = [("head", root)] + [(t.name, t) for t in sorted((root / TREES).glob("*")) if (t / "bench").is_dir()]
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, tree in trees:
+        with tempfile.TemporaryDirectory() as caches:
+            # set in the environment, these win over run.compile_cache too (engine.compile_cache)
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor",
+                   "TRITON_CACHE_DIR": f"{caches}/triton"}
+            start = time.perf_counter()
+            with (out / f"{name}.log").open("w") as log:
+                try:
+                    code = subprocess.run([sys.executable, str(tree / "bench" / script), *args, "--out", str(out / name)],
+                                          cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          timeout=timeout).returncode
+                except subprocess.TimeoutExpired:
+                    code = "timeout"
+        rows.append({"name": name, "tree": str(tree.relative_to(root)) or ".", "returncode": code,
+                     "seconds": round(time.perf_counter() - start, 1)})
+        print(f"== {name}: exit {code}, {rows[-1]['seconds']} s", flush=True)
+        if grep:
+            pattern = re.compile(grep)
+            for line in (out / f"{name}.log").read_text(errors="replace").splitlines():
+                if pattern.search(line):
+                    print(f"  {line}", flush=True)
+    (out / "paired.json").write_text(json.dumps({"script": script, "args": args, "runs": rows}, indent=2) + "\n")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="export commits' trees into _trees/ (run where git is)")
+    p.add_argument("--trees", required=True, help="commits, comma-separated")
+    r = sub.add_parser("run", help="run one benchmark in the checkout and in each prepared tree")
+    r.add_argument("--out", required=True)
+    r.add_argument("--script", required=True, help="a script of bench/, e.g. shared_prompts.py")
+    r.add_argument("--grep", default=None, help="print the lines of each run's output that match this")
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments, after --")
+    args = parser.parse_args()
+    if args.command == "prepare":
+        for tree in prepare([t for t in args.trees.split(",") if t]):
+            print(f"prepared {tree.relative_to(ROOT)}")
+        return
+    if not (ROOT / "bench" / args.script).is_file():
+        parser.error(f"no benchmark bench/{args.script}")
+    extra = args.args[1:] if args.args[:1] == ["--"] else args.args
+    rows = run(Path(args.out), args.script, extra, args.grep, args.timeout)
+    sys.exit(0 if all(r["returncode"] == 0 for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
