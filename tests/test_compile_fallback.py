@@ -3,6 +3,8 @@ compile cache and the compile workers started at setup."""
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -72,3 +74,30 @@ def test_the_compile_cache_goes_where_the_run_says_and_workers_start_early(tmp_p
         assert start_compile_workers()
         AsyncCompile.wait_pool_ready(timeout=120)  # raises if the workers never come up
         assert AsyncCompile.use_process_pool()
+
+
+NEVER_COMPILES = """
+import sys
+import torch
+import shardflow.runtime.driver  # everything a rank imports
+from shardflow.config.model import ModelConfig, RopeConfig
+from shardflow.models.transformer import build_model
+from shardflow.parallel.layout import Layout
+from shardflow.parallel.sharding import shard_for
+
+cfg = ModelConfig(architecture="LlamaForCausalLM", family="llama", vocab_size=32, hidden_size=16,
+                  intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6,
+                  rope=RopeConfig(theta=10000.0), max_position_embeddings=64)
+model = build_model(cfg, shard_for(cfg, Layout.parse("d1p1t1@0"), 0), None, "cpu", torch.float32)
+torch.nn.init.normal_(model.model.embed_tokens.weight)
+model(torch.arange(8)[None], torch.arange(8)[None]).sum().backward()
+print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+"""
+
+
+def test_a_process_that_never_compiles_never_loads_the_compiler():
+    # Importing torch's compiler costs seconds in every rank, worker and tool; only processes
+    # that compile (layers on accelerators) should pay it.
+    out = subprocess.run([sys.executable, "-c", NEVER_COMPILES], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -32,9 +32,11 @@ LAYERS: list[list[str]] = [
 ]
 
 # Imported where their optional path starts (pictures, Parquet files, TensorBoard, the math
-# reward, a torch version's variable-length attention), so that runs without it never load them.
+# reward, a torch version's variable-length attention, torch's compiler), so that runs without it
+# never load them.
 LAZY_THIRD_PARTY = ("matplotlib", "pyarrow", "torch.utils.tensorboard", "math_verify", "torch.nn.attention.varlen",
-                    "datasets", "huggingface_hub", "wandb", "mlflow")
+                    "datasets", "huggingface_hub", "wandb", "mlflow", "torch._dynamo", "torch._inductor",
+                    "torch._functorch")
 
 
 def package_of(module: str, layers: list[list[str]]) -> str | None:

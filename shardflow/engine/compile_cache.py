@@ -6,17 +6,18 @@ directory, which machines clear; ``use_compile_cache`` moves them to a directory
 choosing (``run.compile_cache``) and turns both graph caches on. Variables already set in the
 environment win, so a cluster's shared cache stays in charge, except inductor's at torch's own default
 (the temporary directory): importing torch's compiler writes that default into the environment.
+
+Torch's compiler (dynamo, inductor: seconds to import) is imported here only when a run compiles;
+processes that never compile (CPU ranks, tools) do not load it.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
-import torch._dynamo.utils
-from torch._inductor.async_compile import AsyncCompile
-from torch._inductor.runtime import cache_dir_utils
 
 from shardflow.models.transformer import TRIAL_TOKENS
 
@@ -26,6 +27,10 @@ def use_compile_cache(directory: str) -> Path | None:
     defaults). Returns the directory used, or None."""
     if not directory:
         return None
+    import torch._functorch.config
+    import torch._inductor.config
+    from torch._inductor.runtime import cache_dir_utils
+
     root = Path(directory).expanduser()
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -46,6 +51,8 @@ def use_compile_cache(directory: str) -> Path | None:
 def start_compile_workers() -> bool:
     """Start inductor's compile workers now, in the background; False where this torch or its
     settings compile in the calling process."""
+    from torch._inductor.async_compile import AsyncCompile
+
     warm = getattr(AsyncCompile, "warm_pool", None)  # private: a torch may lack them
     ready = getattr(AsyncCompile, "use_process_pool", None)
     if warm is None or ready is None:
@@ -57,6 +64,8 @@ def start_compile_workers() -> bool:
 
 def compile_seconds() -> float:
     """Seconds this process has spent compiling so far (dynamo's frames and the backward graphs
-    AOTAutograd compiles), by torch's own timers; 0.0 where this torch keeps none."""
-    spent = getattr(torch._dynamo.utils, "calculate_time_spent", None)  # private: a torch may lack it
+    AOTAutograd compiles), by torch's own timers; 0.0 where this torch keeps none, or where nothing
+    has loaded the compiler (nothing compiled)."""
+    timers = sys.modules.get("torch._dynamo.utils")
+    spent = getattr(timers, "calculate_time_spent", None)  # private: a torch may lack it
     return float(spent().get("total_wall_time", 0.0)) if spent is not None else 0.0

@@ -205,7 +205,6 @@ def gather_keys(x: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
     return seqs.keys(x)
 
 
-@torch.compiler.disable  # its sizes are Python ints that change per micro-batch: keep them out of graphs
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
     """q [N,h,d], k and v [N,k,d] (packed tokens) -> [N,h,d]."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):

@@ -247,7 +247,9 @@ class Transformer(nn.Module):
                 self.score = nn.Linear(cfg.hidden_size, 1, bias=False)
             elif "lm_head.weight" in shard.tensors:
                 self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        # Its values are set once the model has storage (``build_model``): computed on the meta
+        # device, the rope's arithmetic runs through torch's Python references, which load dynamo.
+        self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
         self.decode_head: Product | None = None  # the LM head's product, for no-grad forwards
         # Real (unpadded) vocabulary rows held here; logits past them are masked to -inf.
         self.real_vocab = max(0, min(shard.vocab_size, cfg.vocab_size - shard.vocab_start))

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from shardflow.config.experiment import ExperimentConfig, ModelSpec
 from shardflow.config.files import read_json
@@ -87,7 +86,7 @@ class Run:
         world.create_groups(self.plan.layouts())
         world.groups.create(communication_groups(self.graph, self.plan))
 
-        tokenizer = AutoTokenizer.from_pretrained(config.models["actor"].path)
+        tokenizer = prepared.tokenizer
         self.prompts = prepared.prompts  # the dataset's rows (none when only evaluating)
         self.sampler = PromptSampler(len(self.prompts), config.algorithm.batch_size, seed=config.run.seed,
                                      shuffle=config.data.shuffle) if self.prompts else None

@@ -12,7 +12,7 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AutoTokenizer
@@ -50,6 +50,7 @@ class Prepared:
     plan: ExecutionPlan
     backend: str
     prompts: list[Prompt]  # the dataset, read, checked and tokenized
+    tokenizer: Any  # the actor's, loaded once here: unpickled, a rank skips transformers' seconds of loading it
     resume_dir: Path | None = None  # the checkpoint the run continues from
     resume_iteration: int = 0  # its iteration (0: a fresh start)
     eval_prompts: list[Prompt] = ()  # the held-out prompts (eval.path or eval.dataset)
@@ -254,7 +255,7 @@ def prepare(config: ExperimentConfig) -> Prepared:
     prompts = load_prompts(config.data, tokenizer, require_answer=algorithm.online and _needs_answer(config),
                            completions=completions, tools=_tool_schemas(config), keep_rows=bool(config.rollout.env))
     resume_dir = check_resume(config, graph, plan)
-    return Prepared(config, algorithm, graph, models, plan, backend, prompts, resume_dir,
+    return Prepared(config, algorithm, graph, models, plan, backend, prompts, tokenizer, resume_dir,
                     checkpointing.iteration_of(resume_dir) if resume_dir is not None else 0,
                     eval_prompts=load_eval_prompts(config, tokenizer) if config.eval.enabled else [])
 
@@ -321,7 +322,7 @@ def prepare_eval(config: ExperimentConfig, checkpoint: Path | None = None) -> Pr
     if reward_kind(config.reward.kind).model is None:
         reward_function(config.reward)
     tokenizer = AutoTokenizer.from_pretrained(config.models["actor"].path)
-    return Prepared(config, algorithm_named(config.algorithm.name), graph, models, plan, backend, [],
+    return Prepared(config, algorithm_named(config.algorithm.name), graph, models, plan, backend, [], tokenizer,
                     eval_prompts=load_eval_prompts(config, tokenizer))
 
 
