@@ -48,6 +48,20 @@ def test_math_score(response, answer, pattern, expected):
     assert math_score(response, answer, pattern=pattern) == expected
 
 
+@pytest.mark.parametrize("response, answer", [
+    ("12", "12"), ("12", "13"), (" 12 ", "12"), ("2", "2\n"), ("-3", "3"), ("3", "-3"), ("-12", "-12"), ("0", "-0"),
+    ("00", "0"), ("0012", "12"), (r"\boxed{42}", "42"), (r"so \boxed{-7}", "-7"), ("+5", "5"), ("1", "1.0"),
+    ("123456789012345678901", "123456789012345678901"), ("123456789012345678901", "123456789012345678902"),
+    ("9999999999999999", "10000000000000000"),
+])
+def test_integer_answers_get_math_verifys_verdict(response, answer):
+    from math_verify import parse, verify
+
+    extracted = extract_answer(response)
+    expected = float(verify(parse(answer), parse(extracted if extracted == response else f"${extracted}$")))
+    assert math_score(response, answer) == expected
+
+
 def test_math_reward_rejects_an_unreadable_reference():
     with pytest.raises(ValueError, match="reference answer 'banana' cannot be read"):
         math_score("12", "banana")

@@ -14,6 +14,14 @@ from typing import Any, Iterable, Sequence
 import torch
 
 
+def token_rows_of(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The packed token rows of sequences at ``starts`` with ``lengths`` ([S] each), sequence after
+    sequence: one vectorised pass, not a slice per sequence."""
+    total = int(lengths.sum()) if len(lengths) else 0
+    firsts = lengths.cumsum(0) - lengths  # each sequence's first position in the result
+    return torch.arange(total) + torch.repeat_interleave(starts - firsts, lengths, output_size=total)
+
+
 @dataclass
 class SequenceBatch:
     sample_ids: torch.Tensor  # [N] int64, unique within an iteration
@@ -70,9 +78,7 @@ class SequenceBatch:
     def select(self, index: Sequence[int] | torch.Tensor) -> "SequenceBatch":
         """The sequences at ``index`` (in that order)."""
         index = torch.as_tensor(index, dtype=torch.long)
-        offsets = self.offsets
-        rows = [torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in index.tolist()]
-        token_rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+        token_rows = token_rows_of(self.offsets[:-1][index], self.lengths[index])
         return SequenceBatch(
             self.sample_ids[index],
             self.lengths[index],

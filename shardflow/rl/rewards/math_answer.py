@@ -45,9 +45,18 @@ def extract_answer(response: str, pattern: str = "") -> str | None:
     return None if "\\boxed{" in response or "\\fbox{" in response else response
 
 
+# A final answer and a reference that are both plain integers are compared as integers: math-verify's
+# verdict on them, without its parser (about 1.6 ms a response on a CPU core, most of a small
+# model's reward time).
+_INTEGER = re.compile(r"\s*-?\d{1,100}\s*")
+
+
 def math_score(response: str, answer: Any, *, pattern: str = "") -> float:
     """1.0 when the response's final answer equals ``answer`` mathematically (``math-verify``),
     else 0.0 (also for a response without an answer)."""
+    extracted = extract_answer(response, pattern)
+    if extracted is not None and _INTEGER.fullmatch(extracted) and _INTEGER.fullmatch(str(answer)):
+        return float(int(extracted) == int(str(answer)))
     from math_verify import parse, verify
 
     # math-verify bounds its time with SIGALRM, which exists only in the main thread
@@ -55,7 +64,6 @@ def math_score(response: str, answer: Any, *, pattern: str = "") -> float:
     gold = parse(_as_math(str(answer)), parsing_timeout=timeout)
     if not gold:
         raise ValueError(f"reference answer {answer!r} cannot be read as a mathematical expression")
-    extracted = extract_answer(response, pattern)
     if extracted is None or not extracted.strip():
         return 0.0
     # an extracted answer is one expression; a whole response is left to math-verify's own search
