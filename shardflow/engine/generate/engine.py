@@ -274,8 +274,11 @@ class GenerationEngine:
         tokens, positions, slots, top_k, seeds, groups, prompt = ints.unbind(0)
         temperature, top_p = floats.unbind(0)
         prompts = (groups, prompt) if shares else None
+        # On the CPU a host read waits for no device, and no graph or compiled layer needs fixed
+        # shapes: eager CPU steps hand attention only the cache the rows reach.
+        span = int(positions.max()) + 1 if self.device.type == "cpu" and not self.config.compile else None
         logits = decode_logits(self.model, self.cache, self.attention, tokens, positions, slots, prompts,
-                               layer_fn=self._layer_fn)
+                               layer_fn=self._layer_fn, span=span)
         st = SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds, position=positions + 1)
         return sample(logits, st, vocab_start=self.model.shard.vocab_start, vocab_size=self.model.cfg.vocab_size,
                       group=self.model.tp_group, mode=mode)

@@ -99,22 +99,31 @@ def decode_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: t
 def decode_logits(model: Transformer, cache: KVCache, attention: DecodeAttention, tokens: torch.Tensor,
                   positions: torch.Tensor, slots: torch.Tensor,
                   prompts: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  layer_fn: Callable[..., torch.Tensor] = decode_layer) -> torch.Tensor:
+                  layer_fn: Callable[..., torch.Tensor] = decode_layer, span: int | None = None) -> torch.Tensor:
     """tokens, positions, slots [B] -> logits [B, V_local] of the next token. ``prompts``: the
     rows' shared-prompt groups and prompt lengths (see ``decode_attention``), or None;
-    ``layer_fn``: ``decode_layer`` or a compiled version of it.
+    ``layer_fn``: ``decode_layer`` or a compiled version of it; ``span``: a host bound on every
+    row's length after this step, or None.
 
-    Has no host synchronisation and no data-dependent shapes, so it can be captured in a CUDA graph.
+    Without ``span`` it has no host synchronisation and no data-dependent shapes, so it can be
+    captured in a CUDA graph. With it, attention is handed only the blocks (or, one block per row,
+    the positions) that the rows reach: the plain torch attention reads whole rows of what it is
+    handed.
     """
     lengths = positions + 1  # valid positions once this token's K/V are written
     windows = model.cfg.sliding_windows
     blocks = cache.table[slots] if cache.paged else slots  # [B, n]: the rows of the block table
+    if span is not None and cache.paged:
+        blocks = blocks[:, :-(-span // cache.block_size)]
+    upto = span if span is not None and not cache.paged else None
     at = cache.locate(slots[:, None], positions[:, None])  # where the new token's K/V go: [B,1] each
 
     def run_layer(index: int, layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:
-        return layer_fn(layer, h, cos, sin, cache.k[index], cache.v[index], attention, at, blocks, lengths,
-                        windows[index], prompts)
+        k, v = cache.k[index], cache.v[index]
+        if upto is not None:
+            k, v = k[:, :, :upto], v[:, :, :upto]
+        return layer_fn(layer, h, cos, sin, k, v, attention, at, blocks, lengths, windows[index], prompts)
 
     hidden = model(tokens[:, None], positions[:, None], run_layer=run_layer)  # [B,1,H]
     return model.logits(hidden[:, 0])
