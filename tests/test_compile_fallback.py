@@ -91,13 +91,13 @@ cfg = ModelConfig(architecture="LlamaForCausalLM", family="llama", vocab_size=32
 model = build_model(cfg, shard_for(cfg, Layout.parse("d1p1t1@0"), 0), None, "cpu", torch.float32)
 torch.nn.init.normal_(model.model.embed_tokens.weight)
 model(torch.arange(8)[None], torch.arange(8)[None]).sum().backward()
-print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+print(sorted(m for m in ("torch._dynamo", "torch._inductor", "sympy") if m in sys.modules))
 """
 
 
 def test_a_process_that_never_compiles_never_loads_the_compiler():
-    # Importing torch's compiler costs seconds in every rank, worker and tool; only processes
-    # that compile (layers on accelerators) should pay it.
+    # Importing torch's compiler (and sympy, its symbolic shapes') costs seconds in every rank,
+    # worker and tool; only processes that compile (layers on accelerators) should pay it.
     out = subprocess.run([sys.executable, "-c", NEVER_COMPILES], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -386,6 +386,16 @@ def build_model(cfg: ModelConfig, shard: RankShard, tp_group: ProcessGroup | Non
     (the caller loads weights or initialises them)."""
     with torch.device("meta"):
         model = Transformer(cfg, shard, tp_group)
-    model = model.to_empty(device=device).to(dtype)
+    # Each tensor allocated at once in its final dtype: ``to_empty(...).to(dtype)`` would allocate
+    # float32 storage first (twice the memory of bf16 weights, for a moment), and its empty_like of
+    # meta tensors runs through torch's Python references, which import sympy (a second per process).
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
+                                                        requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.empty(b.shape, dtype=dtype, device=device)
     model.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
     return model
