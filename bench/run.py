@@ -93,6 +93,7 @@ SUITES: dict[str, tuple[Step, ...]] = {
         Step("cold_and_warm", 420, "iteration.py", ("--cold-and-warm", "--iterations", "2", "--skip-trl",
                                                     "--skip-planner"), ("iteration.json",)),
         Step("layer_tracing", 180, "layer_tracing.py", (), ("layer_tracing.json",)),
+        Step("example_run", 400, "example_run.py", (), ("example_run.json",)),
     ),
     "realloc": (Step("realloc", 300, "realloc.py", (), ("realloc.json",)),),
     "adaptive": (

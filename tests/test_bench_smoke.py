@@ -37,6 +37,7 @@ CASES = {  # script: (arguments, JSON it writes)
     "varied_lengths.py": (["--tiny"], "varied_lengths.json"),
     "attention_plans.py": (["--tiny"], "attention_plans.json"),
     "layer_tracing.py": (["--tiny", "--repeats", "1"], "layer_tracing.json"),
+    "example_run.py": (["--runs", "1", "--iterations", "1"], "example_run.json"),
 }
 
 
