@@ -274,6 +274,22 @@ def test_warm_up_builds_the_reward_in_every_worker_before_the_first_response(tmp
     assert sorted(workers) == sorted(pids)
 
 
+def test_warm_up_loads_what_the_math_reward_reads_with(tmp_path, monkeypatch):
+    """The math reward's parser (about a second to import) comes in at the warm-up, not at the
+    first response that needs it; a term of a weighted reward as well."""
+    (tmp_path / "probe.py").write_text("import sys\n\n\ndef loaded(name):\n    return name in sys.modules\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    config = RewardConfig(kind="weighted", terms={"correct": RewardTermConfig(kind="math")})
+    with WorkerPool(1) as pool:
+        pool.call("probe", "before", "probe:loaded", "math_verify", timeout_s=30)
+        assert collect(pool, "probe", 1)["before"].value is False
+        warm_up(pool, config)
+        assert all(r.ok for r in collect(pool, WARM_UP_CHANNEL, 1).values())
+        pool.call("probe", "after", "probe:loaded", "math_verify", timeout_s=30)
+        assert collect(pool, "probe", 1)["after"].value is True
+
+
 def test_reward_terms_are_checked():
     with pytest.raises(ValueError, match="reward.kind=weighted needs reward.terms"):
         reward_terms(RewardConfig(kind="weighted"))

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from shardflow.config.experiment import RewardConfig, RewardTermConfig
 from shardflow.rl.rewards.http import http_reward
-from shardflow.rl.rewards.math_answer import math_reward
+from shardflow.rl.rewards.math_answer import load_verifier, math_reward
 from shardflow.rl.rewards.texts import RewardFn
 from shardflow.rl.rewards.user import load_reward_function
 
@@ -28,6 +28,7 @@ class RewardKind:
     build: Callable[[Term, float], RewardFn] | None = None  # (settings, timeout) -> a reward function of the texts
     model: str | None = None  # or the model role that scores them
     term: bool = False  # may be a term of ``weighted``
+    warm: Callable[[], None] | None = None  # what a worker's warm-up does beyond building it (imports)
 
 
 def _function(config: Term, timeout_s: float) -> RewardFn:
@@ -38,7 +39,8 @@ def _function(config: Term, timeout_s: float) -> RewardFn:
 
 REWARD_KINDS: dict[str, RewardKind] = {
     "math": RewardKind(summary="the final answer checked against data's answer with math-verify",
-                       build=lambda config, timeout: math_reward(config.answer_pattern), term=True),
+                       build=lambda config, timeout: math_reward(config.answer_pattern), term=True,
+                       warm=load_verifier),
     "function": RewardKind(summary="reward.function, called with (prompts, responses, answers)", build=_function,
                            term=True),
     "http": RewardKind(summary="reward.url, a server of yours that the texts are posted to",
@@ -73,6 +75,15 @@ def reward_terms(config: RewardConfig) -> dict[str, tuple[float, RewardFn]]:
     if kind.build is None:
         return {}
     return {config.kind: (1.0, kind.build(config, config.timeout_s))}
+
+
+def warm_up_kinds(config: RewardConfig) -> None:
+    """Run the ``warm`` of each kind that ``config`` computes (in a worker, ahead of its first response)."""
+    kinds = [term.kind for term in config.terms.values()] if config.kind == "weighted" else [config.kind]
+    for name in kinds:
+        warm = reward_kind(name).warm
+        if warm is not None:
+            warm()
 
 
 def weighted(terms: dict[str, tuple[float, RewardFn]]) -> RewardFn:

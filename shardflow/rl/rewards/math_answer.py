@@ -51,6 +51,12 @@ def extract_answer(response: str, pattern: str = "") -> str | None:
 _INTEGER = re.compile(r"\s*-?\d{1,100}\s*")
 
 
+def load_verifier() -> None:
+    """Import math-verify (about a second, with sympy): a worker's warm-up does, beside the run's
+    start, rather than the first response that needs it."""
+    import math_verify  # noqa: F401
+
+
 def math_score(response: str, answer: Any, *, pattern: str = "") -> float:
     """1.0 when the response's final answer equals ``answer`` mathematically (``math-verify``),
     else 0.0 (also for a response without an answer)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardflow.config.experiment import RewardConfig
-from shardflow.rl.rewards import reward_terms
+from shardflow.rl.rewards import reward_terms, warm_up_kinds
 from shardflow.rl.workers import WorkerPool
 
 CHANNEL = "rewards"
@@ -33,8 +33,10 @@ def score_texts(config: RewardConfig, prompt: str, response: str, answer: Any) -
 
 
 def prepare_terms(config: RewardConfig) -> None:
-    """Build the reward's terms (importing the users' modules) ahead of the first response (runs in a worker)."""
+    """Build the reward's terms (importing the users' modules) and warm their kinds up ahead of the
+    first response (runs in a worker)."""
     _terms(config)
+    warm_up_kinds(config)
 
 
 def warm_up(pool: WorkerPool, config: RewardConfig) -> None:
