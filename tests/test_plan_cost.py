@@ -50,6 +50,9 @@ class LinearOps(OpCosts):
     def optimizer(self, cfg, tp, params):
         return 1e-12 * params
 
+    def grad_accumulate(self, cfg, tp, params):
+        return 3e-13 * params
+
 
 def test_generation_time_by_hand():
     cfg, P, N, m = llama(), 100, 41, 8
@@ -98,13 +101,13 @@ def test_inference_and_training_time_by_hand():
     heads = mb * 200 / 500  # the head runs at response tokens only
     stage = layers * 1e-6 * mb + 5e-7 * heads + send
     assert costs.inference(cfg, Layout.contiguous(pp=2), 4) == pytest.approx(5 * stage)
-    # dp = 2, 2 micro-batches, 2 optimizer steps: per step the pipeline, the gradient
-    # all-reduce over the two replicas and the optimizer
+    # dp = 2, 2 micro-batches, 2 optimizer steps: per step the pipeline, each micro-batch's
+    # gradients added into the buffer, the gradient all-reduce over the two replicas and the optimizer
     mb = math.ceil(16 / (2 * 2)) * 500 / 2
     stage = cfg.num_layers * 3e-6 * mb + 1.5e-6 * mb * 200 / 500
     params = mem.rank_params(cfg, 1, 1)
     grads = cluster.intra_node_latency + params * 4 / cluster.intra_node_bandwidth  # fp32; 2 (n - 1) / n = 1
-    expected = 2 * (2 * stage + grads + 1e-12 * params)
+    expected = 2 * (2 * stage + 2 * 3e-13 * params + grads + 1e-12 * params)
     assert costs.train(cfg, Layout.contiguous(dp=2), 2) == pytest.approx(expected)
 
 
@@ -128,7 +131,7 @@ def test_shared_prompts_run_a_groups_prompt_once():
         backward = 2.5e-9 * (slots - tokens) * 500 + 1e-7 * slots if w.share_prompts else 0.0
         assert costs[w].train(cfg, layout, 1) == pytest.approx(
             cfg.num_layers * (3e-6 * tokens + packed + backward) + 1.5e-6 * 32 * 200
-            + 1e-12 * mem.rank_params(cfg, 1, 1))
+            + (3e-13 + 1e-12) * mem.rank_params(cfg, 1, 1))
     # a model with a sliding window shares nothing in the runtime: charged as the padded rows
     windowed = dataclasses.replace(cfg, sliding_windows=(64,) * cfg.num_layers)
     assert costs[shared].train(windowed, layout, 1) == pytest.approx(costs[padded].train(windowed, layout, 1))

@@ -271,6 +271,10 @@ class OpCosts:
             return params * by_tp[near].optimizer_per_param
         return self.roofline.optimizer(self.cluster, params)
 
+    def grad_accumulate(self, cfg: ModelConfig, tp: int, params: float) -> float:
+        """One micro-batch's weight gradients added into the float32 buffer (memory-bound)."""
+        return self.roofline.grad_accumulate(self.cluster, params)
+
     # ----- communication (from the cluster's link rates) --------------------------------------
 
     def all_reduce(self, nbytes: float, ranks: tuple[int, ...] | range) -> float:

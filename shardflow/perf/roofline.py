@@ -68,6 +68,9 @@ class Roofline:
     # AdamW over fp32 master weights: read the fp32 gradient, master, m and v; write master, m, v
     # and the bf16 parameter.
     optimizer_bytes_per_param: float = 4 + 3 * 4 + 3 * 4 + 2
+    # each micro-batch's bf16 weight gradient added into the float32 buffer: read it, read and
+    # write the buffer (``engine.train.grad_accumulate``)
+    grad_accumulate_bytes_per_param: float = 2 + 4 + 4
 
     # ----- decoder layer ---------------------------------------------------------------------
 
@@ -140,3 +143,6 @@ class Roofline:
 
     def optimizer(self, c: Cluster, params: float) -> float:
         return params * self.optimizer_bytes_per_param / c.hbm_bandwidth
+
+    def grad_accumulate(self, c: Cluster, params: float) -> float:
+        return params * self.grad_accumulate_bytes_per_param / c.hbm_bandwidth

@@ -11,8 +11,9 @@
   two tp all-reduces per layer and a point-to-point send of activations. With shared prompts a
   layer runs a prompt's tokens once, its attention over rows that repeat it (``_layer``).
 - Training: per optimizer step, the same pipeline with forward + backward (1F1B, bubble
-  ``pp - 1``), four tp all-reduces per layer (six with recomputation), then the data-parallel
-  gradient all-reduce and the AdamW step, not overlapped.
+  ``pp - 1``), four tp all-reduces per layer (six with recomputation), each micro-batch's
+  gradients added into the float32 buffer, then the data-parallel gradient all-reduce and the
+  AdamW step, not overlapped.
 """
 
 from __future__ import annotations
@@ -197,7 +198,8 @@ class CostModel:
 
     def train(self, cfg: ModelConfig, layout: Layout, micro_batches: int, checkpointing: bool = False, *,
               sharded: bool = False, offloaded: bool = False) -> float:
-        """Every optimizer step of the call: pipeline, gradient reduction, AdamW step. ``sharded``:
+        """Every optimizer step of the call: pipeline, each micro-batch's gradients added into the
+        float32 buffer, gradient reduction, AdamW step. ``sharded``:
         gradients reduce-scattered, each replica updates 1/dp, new weights all-gathered;
         ``offloaded``: the optimizer state crosses the host link both ways (in parallel) per step."""
         key = self._key("train", cfg, layout, micro_batches, checkpointing, sharded, offloaded)
@@ -218,6 +220,7 @@ class CostModel:
             tokens = self.replica_sequences(layout, w.train_steps) * w.model_tokens_of(cfg)
             pipeline = (micro_batches + layout.pp - 1) * stage(tokens / micro_batches)  # 1F1B
             params = rank_params(cfg, layout.pp, layout.tp)
+            accumulate = micro_batches * self.ops.grad_accumulate(cfg, layout.tp, params)
             dp_group, p = layout.dp_group(layout.ranks[0]), self.precision
             if sharded:  # a reduce-scatter and an all-gather each move half of an all-reduce's bytes
                 grads = (self.ops.all_reduce(params * p.grad_bytes, dp_group)
@@ -228,5 +231,5 @@ class CostModel:
             optimizer = self.ops.optimizer(cfg, layout.tp, params)
             if offloaded:  # streamed: the step runs at the slower of the device and the host link
                 optimizer = max(optimizer, params * p.optimizer_bytes / self.ops.cluster.host_bandwidth)
-            self._cache[key] = w.train_steps * (pipeline + grads + optimizer)
+            self._cache[key] = w.train_steps * (pipeline + accumulate + grads + optimizer)
         return self._cache[key]
