@@ -63,6 +63,11 @@ def runs(request, tmp_path_factory) -> Background:
             bg.start("prompt_kv", [sys.executable, str(BENCH / "prompt_kv_attention.py"), "--tiny", "--out",
                                    str(bg.outs["prompt_kv"])], env={**interpret, "CUDA_VISIBLE_DEVICES": ""},
                      timeout=300)
+        if selected(request, "test_decode_products_triton_matches_cublas_in_the_interpreter"):
+            bg.outs["products"] = tmp_path_factory.mktemp("products")
+            bg.start("products", [sys.executable, str(BENCH / "decode_products_triton.py"), "--tiny", "--out",
+                                  str(bg.outs["products"])], env={**interpret, "CUDA_VISIBLE_DEVICES": ""},
+                     timeout=300)
     yield bg
     bg.close()
 
@@ -105,6 +110,16 @@ def test_prompt_kv_cascade_equals_the_engine_kernel_in_the_interpreter(runs):
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads((runs.outs["prompt_kv"] / "prompt_kv_attention.json").read_text())["rows"]
     assert rows and all(r["max_abs_diff"] < 1e-5 for r in rows)
+
+
+def test_decode_products_triton_matches_cublas_in_the_interpreter(runs):
+    """bench/decode_products_triton.py's tiles, one K split and three (uneven), give the plain product."""
+    pytest.importorskip("triton")
+    done = runs.result("products")
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads((runs.outs["products"] / "decode_products_triton.json").read_text())["rows"]
+    triton_rows = [r for r in rows if r["library"] == "triton"]
+    assert triton_rows and all(r["max_abs_diff"] < 1e-5 for r in triton_rows), rows
 
 
 def test_every_suite_step_names_a_script_and_what_it_writes():
