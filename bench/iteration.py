@@ -103,7 +103,7 @@ def prepare(work: Path, shape: dict, workload: dict) -> None:
 
 def shardflow_config(work: Path, workload: dict, iterations: int, out: Path, with_ref: bool) -> Path:
     cfg = {
-        "algorithm": {"name": "grpo", "batch_size": workload["prompts"], "micro_batch_tokens": 16384},
+        "algorithm": {"name": "grpo", "batch_size": workload["prompts"]},
         "models": {"actor": {"path": str(work / "model"), "optim": {"lr": 1e-6}}},
         "data": {"path": str(work / "prompts.jsonl"), "chat_template": False,
                  "max_prompt_tokens": workload["prompt_tokens"], "shuffle": False},
@@ -214,6 +214,8 @@ def run_shardflow(work: Path, workload: dict, iterations: int, overrides: list[s
             "peak_memory_gb": peaks, "first_iteration_end_s": first_end, "first_iteration_s": first,
             "first_iteration_phases_s": first_phases, "recompiled_later": recompiled,
             "phases_s": phases, "tokens_per_s": statistics.median(r.get("generation/tokens_per_s", 0) for r in steady),
+            "micro_batches": {k.removesuffix("/num_micro_batches"): statistics.median(r[k] for r in steady)
+                              for k in steady[0] if k.endswith("/num_micro_batches")},
             "process_wall_s": wall}
 
 
@@ -360,7 +362,9 @@ def main() -> None:
                                                           ours["first_iteration_phases_s"].items()))
     print(f"shardflow: iteration 1 ends {ours['first_iteration_end_s']:.1f} s after the command "
           f"(iteration 1 {ours['iteration_s'][0]:.1f} s); peak device memory per call (GB): "
-          + (", ".join(f"{k} {v:.1f}" for k, v in ours["peak_memory_gb"].items()) or "not measured (no GPU)"))
+          + (", ".join(f"{k} {v:.1f}" for k, v in ours["peak_memory_gb"].items()) or "not measured (no GPU)")
+          + "; training's micro-batches per step: " + (", ".join(f"{k} {v:.0f}" for k, v in ours["micro_batches"].items())
+                                                      or "not reported"))
     for micro_batch, trl in result["trl"].items():
         up = trl["speed_up"]
         print(f"speed-up over TRL at micro-batch {micro_batch}: {up['median']:.2f}x at the medians, "

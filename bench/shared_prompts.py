@@ -245,11 +245,39 @@ def speed(work: Path, device: torch.device, dtype: torch.dtype, shape: dict, arg
         out[name] = {"step_s": statistics.median(times[1:]), "steps_s": times,
                      "model_tokens": metrics["model_tokens"], "micro_batches": metrics["num_micro_batches"],
                      **host_work(batch, device, args.micro_batch_tokens, share, kernel)}
+    for budget in args.sweep_budgets or ():
+        out[f"budget_{budget}"] = budget_step(engine, batch, budget, device, args.steps)
     if args.profile and device.type == "cuda" and "shared_rows" in out:
         out["shared_rows"]["profile"] = kernel_profile(
             lambda: engine.step(batch, PolicyLoss(), micro_batch_tokens=args.micro_batch_tokens, share_prompts=True,
                                 attention="rows"))
     return out
+
+
+def budget_step(engine: TrainEngine, batch: SequenceBatch, budget: int, device: torch.device, steps: int) -> dict:
+    """One shared-rows step (the rows kernel) at a micro-batch token budget: median of ``steps`` after a
+    warm-up, with the device's peak memory (GPU); a budget the device's memory cannot hold is recorded
+    as such and the sweep goes on."""
+    times, metrics = [], {}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        for _ in range(steps + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            metrics = engine.step(batch, PolicyLoss(), micro_batch_tokens=budget, share_prompts=True, attention="rows")
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    except torch.OutOfMemoryError as e:
+        return {"budget": budget, "out_of_memory": str(e).splitlines()[0]}
+    row = {"budget": budget, "step_s": statistics.median(times[1:]), "steps_s": times,
+           "micro_batches": metrics["num_micro_batches"]}
+    if device.type == "cuda":
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
 
 
 def host_work(batch: SequenceBatch, device: torch.device, budget: int, share: bool, kernel: str) -> dict:
@@ -306,6 +334,9 @@ def main() -> None:
                         help="training steps of these rows only (padded, shared_varlen, shared_rows; default all)")
     parser.add_argument("--trial-tokens", type=int, default=transformer.TRIAL_TOKENS,
                         help="tokens of the compiled layers' first call, whose sizes their kernels are tuned for (GPU)")
+    parser.add_argument("--sweep-budgets", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                        metavar="N[,N...]", help="after the cases, one shared-rows step per micro-batch token budget, "
+                                                 "with the device's peak memory")
     parser.add_argument("--host-only", action="store_true",
                         help="only the host's work on the micro-batches of each case (no model; any machine)")
     args = parser.parse_args()
@@ -357,8 +388,19 @@ def main() -> None:
               f"({args.prompts} prompts x {args.samples} samples x {args.prompt_tokens}+{args.response_tokens} tokens)")
         print("|---|---:|---:|---:|---:|")
         for name, row in result["speed"].items():
+            if name.startswith("budget_"):
+                continue
             print(f"| {name} | {row['step_s']:.3f} | {row['model_tokens']:.0f} | {row['micro_batches']:.0f} | "
                   f"{row['host_before_first_ms']:.1f} / {row['host_all_ms']:.1f} |")
+        sweep = [row for name, row in result["speed"].items() if name.startswith("budget_")]
+        if sweep:
+            print("| micro-batch budget (tokens) | s/step | micro-batches | peak GiB |\n|---:|---:|---:|---:|")
+            for row in sweep:
+                if "out_of_memory" in row:
+                    print(f"| {row['budget']} | out of memory | | |")
+                else:
+                    print(f"| {row['budget']} | {row['step_s']:.3f} | {row['micro_batches']:.0f} | "
+                          f"{row.get('peak_gib', float('nan')):.1f} |")
         prof = result["speed"].get("shared_rows", {}).get("profile")
         if prof is not None:
             kinds = ", ".join(f"{k} {v:.0f} ms" for k, v in sorted(prof["device_ms_by_kind"].items(), key=lambda kv: -kv[1]))

@@ -328,3 +328,55 @@ def test_reallocation_time_by_brute_force():
         spans = cluster.node_of(min(src.ranks[0], dst.ranks[0])) != cluster.node_of(max(src.ranks[-1], dst.ranks[-1]))
         latency = cluster.inter_node_latency if spans else cluster.intra_node_latency
         assert realloc_seconds(cfg, src, dst, cluster) == pytest.approx(worst + latency), (src_text, dst_text)
+
+
+def test_training_activations_by_hand_with_the_head_in_chunks():
+    """Per token and layer the tensors backward keeps; the LM head one chunk of logits at a time
+    (bf16 logits and their float32 gradient) plus each token's float32 hidden-state gradient."""
+    p = mem.Precision()
+    for vocab in (32000, 256000):
+        cfg = llama(vocab=vocab)  # hidden 2048, 16 heads of 128 (q 2048), 8 KV heads (kv 1024), inter 5632
+        stored = (4 * 2048 + 2 * 2048 + 2 * 1024 + 4 * 5632) * 2
+        for tokens in (64, 8192, 30000):
+            head = min(mem.CHUNK_ELEMENTS, tokens * vocab) * (2 + 4) + tokens * 2048 * 4
+            assert mem.train_activation_bytes(cfg, Layout((0,)), tokens, 1, False, p) == \
+                tokens * 16 * stored + head, (vocab, tokens)
+
+
+def test_auto_micro_batch_tokens_are_the_most_that_fit():
+    cfg, one, p = llama(), Layout((0,)), mem.Precision()
+    step, share = mem.AUTO_TOKENS_STEP, mem.AUTO_MEMORY_SHARE
+
+    def need(tokens, training=True, ckpt=False):
+        if training:
+            return mem.train_activation_bytes(cfg, one, tokens, 1, ckpt, p)
+        return mem.inference_activation_bytes(cfg, one, tokens, p)
+
+    seen = []
+    for free_gb in (1, 5, 20, 40, 80):
+        free = free_gb * 1e9
+        tokens = mem.auto_micro_batch_tokens(cfg, one, free, training=True)
+        assert tokens % step == 0 and step <= tokens <= mem.AUTO_MAX_TOKENS
+        if tokens > step:
+            assert need(tokens) <= share * free
+        if tokens < mem.AUTO_MAX_TOKENS:
+            assert need(tokens + step) > share * free, free_gb
+        assert mem.auto_micro_batch_tokens(cfg, one, free, training=True, checkpointing=True) >= tokens
+        assert mem.auto_micro_batch_tokens(cfg, one, free, training=False) >= tokens
+        seen.append(tokens)
+    assert seen == sorted(seen) and seen[0] == step and seen[-1] == mem.AUTO_MAX_TOKENS and len(set(seen)) >= 4
+
+
+def test_unset_budget_is_sized_by_the_memory_the_model_leaves():
+    roomy, tight = (small_problem(devices=4, memory_gb=gb) for gb in (141, 24))
+    set_budget = small_problem(devices=4, memory_gb=141, micro_batch_tokens=4096)
+    train, layout = roomy.calls[-1], Layout.contiguous(dp=4)
+    free = 24e9 * 0.9 - tight.trained_state_bytes("actor", layout)
+    assert tight.micro_batch_tokens(train, layout) == mem.auto_micro_batch_tokens(
+        tight.models["actor"], layout, free, training=True)
+    assert roomy.micro_batch_tokens(train, layout) == mem.AUTO_MAX_TOKENS > tight.micro_batch_tokens(train, layout)
+    assert set_budget.micro_batch_tokens(train, layout) == 4096
+    tokens = roomy.replica_sequences(train, layout) * roomy.workload.model_tokens_of(roomy.models["actor"])
+    for problem in (roomy, tight, set_budget):
+        assert problem.default_micro_batches(train, layout) == min(
+            math.ceil(tokens / problem.micro_batch_tokens(train, layout)), problem.replica_sequences(train, layout))

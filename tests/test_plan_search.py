@@ -38,8 +38,9 @@ def test_layouts_keep_tp_in_a_node_and_generation_unpipelined():
 @pytest.fixture(scope="module")
 def small():
     """A space small enough to enumerate (one micro-batch count), where memory forces the
-    reference model into its own layout."""
-    problem = small_problem(devices=4, memory_gb=30)
+    reference model into its own layout. The symmetric plans split their calls by a fixed token
+    budget (sized by memory, they would take micro-batch counts this space leaves out)."""
+    problem = small_problem(devices=4, memory_gb=30, micro_batch_tokens=8192)
     space = Space(problem, micro_batches=(1,))
     return problem, space, exhaustive(space)
 

@@ -1,9 +1,10 @@
-"""Pieces of the training engine on one process: micro-batch splitting, learning-rate schedules,
+"""Pieces of the training engine on one process: micro-batch splitting and budgets, learning-rate schedules,
 AdamW against torch.optim.AdamW, the entropy gradient, and float32 master weights of a bf16 model."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from shardflow.models.token_stats import head_logprobs_and_entropy
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
 from shardflow.profiler.measure import one_layer_model
+from shardflow.runtime.calls.budget import CPU_TOKENS, token_budget
 
 # ----- micro-batches -------------------------------------------------------------------------
 
@@ -81,6 +83,25 @@ def test_micro_batch_budget_below_a_sequence_is_named():
 
 
 # ----- learning-rate schedules -----------------------------------------------------------------
+
+
+def test_call_budget_takes_the_plan_then_the_setting_then_the_device():
+    """The runtime's budget per call (``runtime.calls.budget``): a plan's micro-batch count first,
+    then ``algorithm.micro_batch_tokens``; unset on CPU ranks, the fixed CPU budget; never below the
+    longest sequence."""
+    batch = SequenceBatch.from_lists(range(3), {"input_ids": [torch.ones(n, dtype=torch.long) for n in (900, 50, 10)]})
+
+    def ctx(plan_count, setting):
+        algo = SimpleNamespace(micro_batch_tokens=setting)
+        return SimpleNamespace(micro_batches=plan_count, config=SimpleNamespace(algorithm=algo),
+                               world=SimpleNamespace(device=torch.device("cpu")))
+
+    assert token_budget(ctx(2, 64), batch, training=True) == 900  # half of 960 tokens, but the longest is 900
+    assert token_budget(ctx(None, 2000), batch, training=True) == 2000
+    assert token_budget(ctx(None, 64), batch, training=False) == 900
+    assert token_budget(ctx(None, None), batch, training=True) == CPU_TOKENS
+    long = SequenceBatch.from_lists(range(1), {"input_ids": [torch.ones(CPU_TOKENS + 5, dtype=torch.long)]})
+    assert token_budget(ctx(None, None), long, training=False) == CPU_TOKENS + 5
 
 
 def test_lr_schedules_match_hand_computed_values():

@@ -274,8 +274,9 @@ class AlgorithmConfig(Settings):
     batch_size: int = setting(8, "prompts (or data rows) per iteration", gt=0)
     epochs: int = setting(1, "passes of each train call over the iteration's batch", gt=0)
     mini_batches: int = setting(1, "optimizer steps per pass", gt=0)
-    micro_batch_tokens: int = setting(8192, "tokens per micro-batch, padding included (inference and training)",
-                                      gt=0)
+    micro_batch_tokens: int | None = setting(None, "tokens per micro-batch, padding included (inference and "
+                                                   "training); unset: as many as the device's free memory holds at "
+                                                   "each call, at most 32768 (8192 on CPU)", gt=0)
     share_prompts: bool = setting(True, "inference and training run a prompt's tokens once for all its samples "
                                         "where that saves 5% of the tokens or more (packed rows; the same outputs)")
     packed_attention: str = setting("auto", "GPU kernel of shared prompts' attention: rows (each sample a padded row "

@@ -14,9 +14,18 @@ from functools import lru_cache
 from typing import NamedTuple, Union
 
 from shardflow.config.model import ModelConfig
+from shardflow.models.token_stats import CHUNK_ELEMENTS
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for, stage_layers
 from shardflow.perf.roofline import head_shape, layer_shape
+
+
+# The token budget picked when the run sets none (``auto_micro_batch_tokens``). Past 32768 tokens
+# the training step gets no faster (BENCHMARKS.md, "Training step": the micro-batch budget); the
+# share of free memory leaves room for the allocator's fragmentation and what the model misses.
+AUTO_MAX_TOKENS = 32768
+AUTO_TOKENS_STEP = 1024
+AUTO_MEMORY_SHARE = 0.8
 
 
 class Shape(NamedTuple):
@@ -36,7 +45,7 @@ class Precision:
     grad_bytes: int = 4  # gradients accumulate in a float32 buffer (and are all-reduced in it)
     optimizer_bytes: int = 12  # fp32 master weights, AdamW m and v
     activation_bytes: int = 2  # bf16 activations
-    logits_bytes: int = 4  # fp32 logits and log-softmax
+    logits_bytes: int = 4  # fp32 gradients of the LM head's logits and hidden states
     # an offloaded optimizer's device buffers: two chunks of 2^24 float32 elements of each of its
     # three tensors (engine.train.optimizer.DEFAULT_CHUNK_NUMEL)
     offload_buffer_bytes: int = 2 * 3 * 4 * (1 << 24)
@@ -112,9 +121,12 @@ def _working_per_token_layer(cfg: ModelConfig, tp: int, p: Precision) -> float:
     return (2 * s.hidden + s.q_dim + 2 * s.kv_dim + 3 * s.inter) * p.activation_bytes
 
 
-def _logits_per_token(cfg: ModelConfig, tp: int, p: Precision) -> float:
-    # fp32 logits and their log-softmax (or gradient), on the last stage's vocabulary slice
-    return 2 * head_shape(cfg, tp).vocab * p.logits_bytes
+def _head_bytes(cfg: ModelConfig, tp: int, tokens: float, p: Precision) -> float:
+    # The LM head runs in chunks of vocabulary columns (``models.token_stats``): one chunk's logits
+    # and their float32 gradient at a time, whatever the tokens, and per token the float32
+    # gradient of its hidden state.
+    chunk = min(CHUNK_ELEMENTS, tokens * head_shape(cfg, tp).vocab)
+    return chunk * (p.activation_bytes + p.logits_bytes) + tokens * cfg.hidden_size * p.logits_bytes
 
 
 def train_activation_bytes(cfg: ModelConfig, layout: AnyLayout, tokens_per_micro_batch: float, micro_batches: int,
@@ -128,14 +140,40 @@ def train_activation_bytes(cfg: ModelConfig, layout: AnyLayout, tokens_per_micro
         stored += tokens * _stored_per_token_layer(cfg, layout.tp, p)
     else:
         stored = in_flight * tokens * layers * _stored_per_token_layer(cfg, layout.tp, p)
-    return stored + tokens * _logits_per_token(cfg, layout.tp, p)
+    return stored + _head_bytes(cfg, layout.tp, tokens, p)
 
 
 def inference_activation_bytes(cfg: ModelConfig, layout: AnyLayout, tokens_per_micro_batch: float,
                                p: Precision) -> float:
-    """Forward only: one layer's working set and the head's logits for one micro-batch."""
-    per_token = _working_per_token_layer(cfg, layout.tp, p) + _logits_per_token(cfg, layout.tp, p)
-    return tokens_per_micro_batch * per_token
+    """Forward only: one layer's working set and the head's chunk for one micro-batch."""
+    tokens = tokens_per_micro_batch
+    return tokens * _working_per_token_layer(cfg, layout.tp, p) + _head_bytes(cfg, layout.tp, tokens, p)
+
+
+def auto_micro_batch_tokens(cfg: ModelConfig, layout: AnyLayout, free_bytes: float, *, training: bool,
+                            checkpointing: bool = False, p: Precision = Precision()) -> int:
+    """The token budget per micro-batch when the run sets none (``algorithm.micro_batch_tokens``):
+    the most tokens, in steps of ``AUTO_TOKENS_STEP``, whose activations (training's under 1F1B, or
+    inference's) fit in ``AUTO_MEMORY_SHARE`` of ``free_bytes``, at most ``AUTO_MAX_TOKENS``; at
+    least one step (a micro-batch never holds less than its longest sequence anyway)."""
+    room = AUTO_MEMORY_SHARE * free_bytes
+
+    def need(tokens: int) -> float:
+        if training:
+            return train_activation_bytes(cfg, layout, tokens, layout.pp, checkpointing, p)
+        return inference_activation_bytes(cfg, layout, tokens, p)
+
+    steps = AUTO_MAX_TOKENS // AUTO_TOKENS_STEP
+    lo, hi = 1, steps  # need() grows with tokens: the largest step count that fits, by bisection
+    if need(hi * AUTO_TOKENS_STEP) <= room:
+        return hi * AUTO_TOKENS_STEP
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if need(mid * AUTO_TOKENS_STEP) <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * AUTO_TOKENS_STEP
 
 
 def kv_bytes_per_slot(cfg: ModelConfig, tp: int, slot_tokens: int, p: Precision) -> float:

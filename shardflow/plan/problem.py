@@ -12,7 +12,7 @@ from shardflow.parallel.layout import Layout
 from shardflow.perf.hardware import Cluster
 from shardflow.perf.profile import OpCosts, Profile
 from shardflow.plan.cost import CostModel
-from shardflow.plan.memory import AnyLayout, Precision, trained_state_bytes
+from shardflow.plan.memory import AnyLayout, Precision, auto_micro_batch_tokens, trained_state_bytes, weight_bytes
 from shardflow.plan.workload import Workload, workload_from_config
 from shardflow.rl.algorithms import algorithm_named
 from shardflow.rl.graph import Call, Graph, Kind
@@ -110,8 +110,21 @@ class Problem:
         if call.kind is Kind.GENERATE:
             return None
         tokens = self.replica_sequences(call, layout) * self.workload.model_tokens_of(self.models[call.model])
-        k = max(math.ceil(tokens / self.workload.micro_batch_tokens), layout.pp)
+        k = max(math.ceil(tokens / self.micro_batch_tokens(call, layout)), layout.pp)
         return min(k, self.replica_sequences(call, layout))
+
+    def micro_batch_tokens(self, call: Call, layout: Layout) -> int:
+        """The run's token budget, or (unset) the one the runtime sizes by the memory its model's
+        state leaves free on a device (``memory.auto_micro_batch_tokens``; other models that share
+        the device are not counted)."""
+        if self.workload.micro_batch_tokens is not None:
+            return self.workload.micro_batch_tokens
+        cfg, training = self.models[call.model], call.kind is Kind.TRAIN
+        held = (self.trained_state_bytes(call.model, layout) if self.trained(call.model)
+                else weight_bytes(cfg, layout, self.precision))
+        return auto_micro_batch_tokens(cfg, layout, self.cluster.usable_memory - held, training=training,
+                                       checkpointing=training and self.checkpointing.get(call.model, False),
+                                       p=self.precision)
 
 
 def problem_from_config(config: ExperimentConfig, cluster: Cluster, *, profile: Profile | None = None,

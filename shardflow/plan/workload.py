@@ -27,14 +27,14 @@ class Workload:
     response_mean: float  # mean response length before clipping
     response_std: float = 0.0
     train_steps: int = 1  # optimizer steps per train call (epochs x mini-batches)
-    micro_batch_tokens: int = 8192  # the runtime's default token budget per micro-batch
+    micro_batch_tokens: int | None = None  # the run's token budget per micro-batch; None: sized by memory
     share_prompts: bool = False  # inference and training run a prompt once for all its samples
     share_prompt_kv: bool = False  # decode attention reads a prompt's KV once for its samples
 
     def __post_init__(self) -> None:
         for name in ("prompts", "samples_per_prompt", "prompt_tokens", "max_new_tokens", "train_steps",
                      "micro_batch_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"workload {name} must be positive, got {getattr(self, name)!r}")
         if not 0 < self.response_mean <= self.max_new_tokens:
             raise ValueError(f"response mean must be in (0, max_new_tokens={self.max_new_tokens}], "

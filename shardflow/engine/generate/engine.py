@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from shardflow.config.experiment import BLAS_LIBRARIES, COMPILE_MODES
 from shardflow.engine.compile_fallback import compiled_or_eager
+from shardflow.engine.device_memory import free_bytes
 from shardflow.engine.generate.cuda_graphs import DecodeRunner
 from shardflow.engine.generate.decode_attention import ATTENTION
 from shardflow.engine.generate.decode_weights import decode_weights_layout, drop_decode_weights, make_decode_weights
@@ -253,8 +254,7 @@ class GenerationEngine:
         cfg, shard, config = self.model.cfg, self.model.shard, self.config
         if self.device.type != "cuda":
             return (config.max_batch_size + 1) * bytes_per_slot(shard, cfg, max_len, self.dtype)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # cached, unused
+        free = free_bytes(self.device)
         item = torch.empty((), dtype=self.dtype).element_size()
         # Room for prefill activations and for sampling over [batch, vocabulary] in float32.
         prefill = config.max_prefill_tokens * (6 * cfg.hidden_size + 3 * shard.intermediate_size) * item

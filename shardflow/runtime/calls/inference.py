@@ -11,17 +11,9 @@ import torch
 
 from shardflow.data.batch import SequenceBatch
 from shardflow.engine.inference import infer
+from shardflow.runtime.calls.budget import token_budget
 from shardflow.runtime.calls.context import CallContext
 from shardflow.runtime.calls.data import is_holder
-
-
-def token_budget(batch: SequenceBatch, default: int, micro_batches: int | None) -> int:
-    """Padded tokens per micro-batch: the plan's micro-batch count when it gives one (about that
-    many micro-batches per replica), else the run's budget; never less than the longest sequence."""
-    longest = int(batch.lengths.max()) if len(batch) else 1
-    if micro_batches is not None:
-        return max(longest, -(-batch.num_tokens // micro_batches))
-    return max(longest, default)
 
 
 def lm_temperature(ctx: CallContext) -> float:
@@ -33,7 +25,7 @@ def lm_temperature(ctx: CallContext) -> float:
 def _per_token(ctx: CallContext, what: str, key: str) -> SequenceBatch | None:
     batch, algo = ctx.batch, ctx.config.algorithm
     out = infer(ctx.model, ctx.layout, ctx.world, batch, what,
-                micro_batch_tokens=token_budget(batch, algo.micro_batch_tokens, ctx.micro_batches),
+                micro_batch_tokens=token_budget(ctx, batch, training=False),
                 temperature=lm_temperature(ctx) if what == "logprobs" else 1.0,
                 outputs_at="loss_mask",  # the losses and advantages read response tokens only
                 share_prompts=algo.share_prompts, attention=algo.packed_attention)
@@ -52,7 +44,7 @@ def _sequence_scores(ctx: CallContext) -> SequenceBatch | None:
     padded = SequenceBatch.from_lists(batch.sample_ids.tolist(), {"input_ids": [
         torch.cat([ids[offsets[i]:offsets[i + 1]], ids.new_zeros(1)]) for i in range(len(batch))]})
     out = infer(ctx.model, ctx.layout, ctx.world, padded, "values",
-                micro_batch_tokens=token_budget(padded, ctx.config.algorithm.micro_batch_tokens, ctx.micro_batches))
+                micro_batch_tokens=token_budget(ctx, padded, training=False))
     if out is None or not is_holder(ctx.layout, ctx.world.rank):
         return None
     last = out.offsets[1:] - 1  # the appended position

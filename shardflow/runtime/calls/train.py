@@ -11,8 +11,9 @@ import torch
 from shardflow.data.batch import SequenceBatch
 from shardflow.rl.advantages import sequence_kl
 from shardflow.rl.rewards.shaping import shape_overlong
+from shardflow.runtime.calls.budget import token_budget
 from shardflow.runtime.calls.context import CallContext
-from shardflow.runtime.calls.inference import lm_temperature, token_budget
+from shardflow.runtime.calls.inference import lm_temperature
 
 
 def run_train(ctx: CallContext) -> SequenceBatch | None:
@@ -44,7 +45,7 @@ def run_train(ctx: CallContext) -> SequenceBatch | None:
                 raise ValueError(f"{ctx.call.name}: a replica of {layout} got fewer sequences than "
                                  f"algorithm.mini_batches={algo.mini_batches}")
             mini = batch.select(part)
-            budget = token_budget(mini, algo.micro_batch_tokens, ctx.micro_batches)
+            budget = token_budget(ctx, mini, training=True)
             metrics = engine.step(mini, loss_fn, micro_batch_tokens=budget, temperature=temperature,
                                   share_prompts=algo.share_prompts, attention=algo.packed_attention)
             for k, v in metrics.items():
