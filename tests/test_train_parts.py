@@ -130,8 +130,8 @@ def test_bad_optimizer_settings_are_named():
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_flat_adamw_matches_torch_adamw(offload):
-    """Also offloaded: the state streamed in chunks of 8 elements, cut inside the decayed matrix,
-    is updated by the same elementwise operations."""
+    """On the device and offloaded, the state updated in chunks of 8 elements (cut inside the
+    decayed matrix) by the same elementwise operations."""
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(6, 5, generator=g), torch.randn(7, generator=g)
     cfg = OptimConfig(lr=1e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.3)

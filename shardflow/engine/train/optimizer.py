@@ -52,7 +52,7 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
 # optimizer's flat layout [lo, hi) (values on the training device).
 Updated = Callable[[int, int, torch.Tensor], None]
 
-DEFAULT_CHUNK_NUMEL = 1 << 24  # 64 MiB per float32 tensor of an offloaded step's chunk
+DEFAULT_CHUNK_NUMEL = 1 << 24  # 64 MiB per float32 tensor of a step's chunk
 
 
 def adamw_update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
@@ -66,7 +66,7 @@ def adamw_update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
     bias1 = 1.0 - beta1 ** step
     bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(cfg.eps)
+    denom = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(cfg.eps)
     master.addcdiv_(exp_avg, denom, value=-lr / bias1)
 
 
@@ -76,10 +76,12 @@ class AdamW:
     ``decay`` lists the spans ``[lo, hi)`` of ``master`` that get weight decay. The step count
     lives with the caller, which also drives the schedule, so that both always agree.
 
-    ``offload``: the master weights and both moments live in host memory (pinned where the device
-    is a GPU) and a step streams them through the device in chunks: while one chunk is updated,
-    the next is copied in and the previous one copied out, on two copy streams. The device holds
-    two chunks of the three tensors, whatever the model's size.
+    A step updates the state in chunks of ``chunk_numel`` elements: on the device, so that the
+    update's float32 temporary is a chunk's and not another copy of the whole state. ``offload``:
+    the master weights and both moments live in host memory (pinned where the device is a GPU) and
+    a step streams the chunks through the device: while one chunk is updated, the next is copied in
+    and the previous one copied out, on two copy streams. The device holds two chunks of the three
+    tensors, whatever the model's size.
     """
 
     def __init__(self, master: torch.Tensor, decay: list[tuple[int, int]], cfg: OptimConfig, *,
@@ -94,11 +96,11 @@ class AdamW:
             if master.device.type != "cpu" or (pin and not master.is_pinned()):
                 master = master.to("cpu").pin_memory() if pin else master.to("cpu")
             self.exp_avg, self.exp_avg_sq = (torch.zeros(master.numel(), pin_memory=pin) for _ in range(2))
-            self.chunk_numel = min(chunk_numel, max(1, master.numel()))
             self._buffers: list[list[torch.Tensor]] = []
         else:
             self.exp_avg = torch.zeros_like(master)
             self.exp_avg_sq = torch.zeros_like(master)
+        self.chunk_numel = min(chunk_numel, max(1, master.numel()))
         self.master = master
 
     def _decay_views(self, master: torch.Tensor, lo: int, hi: int) -> list[torch.Tensor]:
@@ -110,9 +112,12 @@ class AdamW:
         """Apply update number ``step`` (1 for the first) with float32 ``grad`` (on the device, shaped
         like master), then hand the new master weights to ``updated``."""
         if not self.offload:
-            adamw_update(self.master, self.exp_avg, self.exp_avg_sq, grad,
-                         self._decay_views(self.master, 0, self.master.numel()), self.cfg, lr, step)
-            updated(0, self.master.numel(), self.master)
+            n = self.master.numel()
+            for lo in range(0, n, self.chunk_numel):
+                hi = min(lo + self.chunk_numel, n)
+                chunk = [t[lo:hi] for t in (self.master, self.exp_avg, self.exp_avg_sq, grad)]
+                adamw_update(*chunk, self._decay_views(chunk[0], lo, hi), self.cfg, lr, step)
+            updated(0, n, self.master)
             return
         host = (self.master, self.exp_avg, self.exp_avg_sq)
         n, size = self.master.numel(), self.chunk_numel
