@@ -24,7 +24,7 @@ from shardflow.models.token_stats import head_logprobs_and_entropy
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
 from shardflow.profiler.measure import one_layer_model
-from shardflow.runtime.calls.budget import CPU_TOKENS, token_budget
+from shardflow.runtime.calls.budget import CPU_TOKENS, smallest_over, token_budget
 
 # ----- micro-batches -------------------------------------------------------------------------
 
@@ -102,6 +102,19 @@ def test_call_budget_takes_the_plan_then_the_setting_then_the_device():
     assert token_budget(ctx(None, None), batch, training=True) == CPU_TOKENS
     long = SequenceBatch.from_lists(range(1), {"input_ids": [torch.ones(CPU_TOKENS + 5, dtype=torch.long)]})
     assert token_budget(ctx(None, None), long, training=False) == CPU_TOKENS + 5
+
+
+def _smallest_budget_job(world, proposals):
+    layout = Layout.contiguous(pp=2, tp=2)  # ranks 0-3: two stages of two tp shards
+    world.create_groups([layout])
+    if world.rank not in layout:
+        return smallest_over(world, Layout((world.rank,)), proposals[world.rank])  # alone: its own
+    return smallest_over(world, layout, proposals[world.rank])
+
+
+def test_the_ranks_of_a_layout_agree_on_the_smallest_budget(pool):
+    proposals = [30720, 8192, 20480, 32768, 1024, 2048, 3072, 4096]
+    assert pool.run(_smallest_budget_job, proposals) == [8192] * 4 + proposals[4:]
 
 
 def test_lr_schedules_match_hand_computed_values():

@@ -10,10 +10,12 @@ smallest), so that every stage and tp shard of a replica splits its batch alike.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from shardflow.data.batch import SequenceBatch
 from shardflow.engine.device_memory import free_bytes
+from shardflow.parallel.comm import ReduceOp, all_reduce
+from shardflow.parallel.layout import Layout
+from shardflow.parallel.world import World
 from shardflow.plan.memory import Precision, auto_micro_batch_tokens
 from shardflow.runtime.calls.context import CallContext
 
@@ -41,8 +43,10 @@ def auto_budget(ctx: CallContext, *, training: bool) -> int:
     tokens = auto_micro_batch_tokens(model.cfg, ctx.layout, free_bytes(device), training=training,
                                      checkpointing=training and model.gradient_checkpointing,
                                      p=Precision(activation_bytes=item))
-    agreed = torch.tensor([tokens], device=device)
-    group = ctx.world.groups.get(ctx.layout.ranks)
-    if group is not None:
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-    return int(agreed)
+    return smallest_over(ctx.world, ctx.layout, tokens)
+
+
+def smallest_over(world: World, layout: Layout, value: int) -> int:
+    """The smallest of each rank's ``value`` over the ranks of ``layout`` (every one of them calls it)."""
+    t = all_reduce(torch.tensor([value], device=world.device), world.groups.get(layout.ranks), ReduceOp.MIN)
+    return int(t)
