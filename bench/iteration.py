@@ -363,8 +363,8 @@ def main() -> None:
     print(f"shardflow: iteration 1 ends {ours['first_iteration_end_s']:.1f} s after the command "
           f"(iteration 1 {ours['iteration_s'][0]:.1f} s); peak device memory per call (GB): "
           + (", ".join(f"{k} {v:.1f}" for k, v in ours["peak_memory_gb"].items()) or "not measured (no GPU)")
-          + "; training's micro-batches per step: " + (", ".join(f"{k} {v:.0f}" for k, v in ours["micro_batches"].items())
-                                                      or "not reported"))
+          + "; training's micro-batches per step: "
+          + (", ".join(f"{k} {v:.0f}" for k, v in ours["micro_batches"].items()) or "not reported"))
     for micro_batch, trl in result["trl"].items():
         up = trl["speed_up"]
         print(f"speed-up over TRL at micro-batch {micro_batch}: {up['median']:.2f}x at the medians, "

@@ -27,8 +27,9 @@ PLAN_FILE_FORMAT = """A plan file (plan: FILE.yaml) gives every model call of th
 
 A layout is d{dp}p{pp}t{tp}@{ranks} (tp innermost); a bare layout string stands for {layout: ...}.
 micro_batches (optional) fixes the micro-batches per data-parallel replica of an inference or
-training call; otherwise algorithm.micro_batch_tokens decides (unset: the device's free memory). tp_targets (generate calls only) are
-the layouts adaptive tensor parallelism may switch to, each merging replicas of the one before.
+training call; otherwise algorithm.micro_batch_tokens decides (unset: the device's free memory).
+tp_targets (generate calls only) are the layouts adaptive tensor parallelism may switch to, each
+merging replicas of the one before.
 shardflow plan writes such a file; plan: symmetric puts every call on every device."""
 
 
