@@ -17,6 +17,7 @@ import yaml
 from shardflow.cli.main import main
 from shardflow.config.load import load_config
 from shardflow.examples.arithmetic import example_config
+from shardflow.runtime.calls.budget import CPU_TOKENS
 
 
 def train_job(world, raw: dict, overrides: list[str]):
@@ -43,6 +44,8 @@ def test_example_run_writes_its_plan_timeline_and_a_transformers_checkpoint(pool
     pool.run(train_job, example, ["run.iterations=2", f"run.out_dir={out}", "run.progress=false",
                                   "run.tensorboard=false"])
     assert [m["step"] for m in metrics(out)] == [1, 2]
+    # the budget unset: the CPU ranks' fixed one, reported with the step's other training metrics
+    assert all(m["actor/micro_batch_tokens"] == CPU_TOKENS for m in metrics(out))
     assert (out / "timeline.png").is_file() and (out / "plan.yaml").is_file()
     saved = out / "checkpoints" / "iter-000002" / "actor"
     transformers.AutoModelForCausalLM.from_pretrained(saved)

@@ -48,6 +48,7 @@ def run_train(ctx: CallContext) -> SequenceBatch | None:
             budget = token_budget(ctx, mini, training=True)
             metrics = engine.step(mini, loss_fn, micro_batch_tokens=budget, temperature=temperature,
                                   share_prompts=algo.share_prompts, attention=algo.packed_attention)
+            metrics["micro_batch_tokens"] = float(budget)  # what an unset budget came to on this device
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
             steps += 1
