@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +61,8 @@ AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # The same for any layer, its index first: what the generation engine passes to ``forward`` (one
 # that reads and writes its KV cache).
 LayerAttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# run_layer(layer_index, layer, h [B,T,H], cos, sin) -> h: a caller's own way of running each layer
-RunLayerFn = Callable[[int, "DecoderLayer", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# run_layers(layers {index: layer}, h [B,T,H], cos, sin) -> h: a caller's own way of running the stage's layers
+RunLayersFn = Callable[[Mapping[str, "DecoderLayer"], torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -262,23 +262,30 @@ class Transformer(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: LayerAttendFn | None = None,
-                packed: PackedSequences | None = None, run_layer: RunLayerFn | None = None) -> torch.Tensor:
+                packed: PackedSequences | None = None, run_layers: RunLayersFn | None = None) -> torch.Tensor:
         """First stage: token ids [B,T]; later stages: hidden states [B,T,H] from the previous
         stage. Returns hidden states [B,T,H], normed on the last stage. ``packed``: the one row
         (B = 1) holds sequences whose attention reads the key tokens it names, instead of causal
-        self-attention per row (see ``models.packed_attention``). ``run_layer``: runs each layer
+        self-attention per row (see ``models.packed_attention``). ``run_layers``: runs the layers
         instead (the generation engine's compiled decode layer)."""
         if packed is not None and (attend is not None or x.shape[0] != 1 or self.has_sliding_windows):
             raise ValueError("packed sequences need one row [1,T], no attend function and full attention "
                              "in every layer")
         h = self.model.embed_tokens(x) if self.shard.first_stage else x
         cos, sin = self.rope(positions, h.dtype)
+        if run_layers is not None:
+            h = run_layers(self.model.layers, h, cos, sin)
+        else:
+            h = self._run_layers(h, cos, sin, attend, packed)
+        if self.shard.last_stage:
+            h = self.model.norm(h)
+        return h
+
+    def _run_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: LayerAttendFn | None,
+                    packed: PackedSequences | None) -> torch.Tensor:
         recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         run = self.layer_fn(attend)
         for index, layer in self.model.layers.items():
-            if run_layer is not None:
-                h = run_layer(int(index), layer, h, cos, sin)
-                continue
             layer_attend = None if attend is None else functools.partial(attend, int(index))
             if recompute:
                 # The decoder has no dropout, so the recomputation needs no saved RNG state. Under
@@ -287,8 +294,6 @@ class Transformer(nn.Module):
                                preserve_rng_state=False)
             else:
                 h = run(layer, h, cos, sin, layer_attend, packed)
-        if self.shard.last_stage:
-            h = self.model.norm(h)
         return h
 
     @property

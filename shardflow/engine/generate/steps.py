@@ -17,7 +17,7 @@ all-reduces per layer and one for the embedding) are the only communication.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -79,21 +79,27 @@ def extend_cache(model: Transformer, cache: KVCache, ids: torch.Tensor, starts: 
     model(ids, positions, attend)
 
 
-def decode_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, attention: DecodeAttention, at: tuple[torch.Tensor, torch.Tensor],
-                 blocks: torch.Tensor, lengths: torch.Tensor, window: int | None,
-                 prompts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def decode_layer(layer: DecoderLayer, x: torch.Tensor, pending: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, attention: DecodeAttention,
+                 at: tuple[torch.Tensor, torch.Tensor], blocks: torch.Tensor, lengths: torch.Tensor,
+                 window: int | None, prompts: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer of a decode step: the new token's key and value go into the cache at
-    ``at`` (blocks, offsets [B,1]), then it attends over its positions. x [B,1,H]. A function of
-    tensors and the layer's module only (no layer index), so that one compiled version serves
-    every layer: compilation traces one layer, not the whole stack."""
+    ``at`` (blocks, offsets [B,1]), then it attends over its positions. The layer's input is
+    ``x + pending`` [B,1,H]: the residual stream and the MLP output of the layer before, which this
+    layer adds in the kernel of its input norm (the add alone would be a launch of its own per
+    layer). Returns the stream after attention and this layer's MLP output, for the next layer (or
+    the final norm) to add. A function of tensors and the layer's module only (no layer index), so
+    that one compiled version serves every layer: compilation traces one layer, not the whole stack."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [B,H,1,d], k/v [B,K,1,d]
         write_kv(k_cache, v_cache, *at, k, v)
         return attention(q[:, :, 0], k_cache, v_cache, blocks, lengths, window, prompts)[:, :, None]
 
-    return layer(x, cos, sin, attend)
+    x = x + pending
+    x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, attend)
+    return x, layer.mlp(layer.post_attention_layernorm(x))
 
 
 def decode_logits(model: Transformer, cache: KVCache, attention: DecodeAttention, tokens: torch.Tensor,
@@ -118,12 +124,16 @@ def decode_logits(model: Transformer, cache: KVCache, attention: DecodeAttention
     upto = span if span is not None and not cache.paged else None
     at = cache.locate(slots[:, None], positions[:, None])  # where the new token's K/V go: [B,1] each
 
-    def run_layer(index: int, layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> torch.Tensor:
-        k, v = cache.k[index], cache.v[index]
-        if upto is not None:
-            k, v = k[:, :, :upto], v[:, :, :upto]
-        return layer_fn(layer, h, cos, sin, k, v, attention, at, blocks, lengths, windows[index], prompts)
+    def run_layers(layers: Mapping[str, DecoderLayer], h: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+        pending = torch.zeros_like(h)  # what the first layer adds to its input
+        for index, layer in layers.items():
+            k, v = cache.k[int(index)], cache.v[int(index)]
+            if upto is not None:
+                k, v = k[:, :, :upto], v[:, :, :upto]
+            h, pending = layer_fn(layer, h, pending, cos, sin, k, v, attention, at, blocks, lengths,
+                                  windows[int(index)], prompts)
+        return h + pending
 
-    hidden = model(tokens[:, None], positions[:, None], run_layer=run_layer)  # [B,1,H]
+    hidden = model(tokens[:, None], positions[:, None], run_layers=run_layers)  # [B,1,H]
     return model.logits(hidden[:, 0])
