@@ -72,3 +72,40 @@ def test_vocabulary_slices_combine_to_the_full_softmax():
     torch.testing.assert_close(lp, logp.gather(-1, targets[:, None])[:, 0].float(), atol=1e-5, rtol=0)
     torch.testing.assert_close(h, -(logp.exp() * logp).sum(-1).float(), atol=1e-5, rtol=0)
     torch.testing.assert_close(log_z, torch.logsumexp(x, -1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("keep_chunks", [1, 3])
+def test_kept_chunk_logits_give_the_recomputed_gradients(keep_chunks, monkeypatch):
+    """Chunks of logits kept from forward (the leading ones, as many as ``keep_bytes`` holds) give
+    backward exactly the gradients that computing them again gives; without grad nothing is kept."""
+    from shardflow.models import token_stats as ts
+
+    kept: list[int] = []  # chunks each forward kept
+    forward = ts._HeadStats.forward
+
+    def counting(ctx, *args):
+        out = forward(ctx, *args)
+        kept.append(len(ctx.kept))
+        return out
+
+    monkeypatch.setattr(ts._HeadStats, "forward", staticmethod(counting))
+    g = torch.Generator().manual_seed(3)
+    n, vocab, hidden_size = 6, 50, 8
+    hidden = torch.randn(n, hidden_size, generator=g)
+    weight = torch.randn(vocab, hidden_size, generator=g)
+    targets = torch.randint(0, 45, (n,), generator=g)
+    assert ts.chunk_width(n, vocab, 12 * n) == 12  # chunks of 12 columns: 5 of them, the last ragged
+    results = []
+    for keep_bytes in (0, keep_chunks * n * 12 * 4):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        lp, ent = ts.head_logprobs_and_entropy(h, w, targets, 0, 45, None, temperature=0.7,
+                                               chunk_elements=12 * n, keep_bytes=keep_bytes)
+        (lp * torch.arange(n) + 0.3 * ent).sum().backward()
+        results.append((lp.detach(), ent.detach(), h.grad, w.grad))
+    assert kept == [0, keep_chunks]
+    for recomputed, from_kept in zip(*results):
+        assert torch.equal(recomputed, from_kept)
+    with torch.no_grad():  # no backward: nothing to keep, whatever the room
+        ts.head_logprobs_and_entropy(hidden, weight.requires_grad_(), targets, 0, 45, None,
+                                     chunk_elements=12 * n, keep_bytes=1 << 30)
+    assert kept[-1] == 0

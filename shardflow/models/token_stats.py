@@ -3,7 +3,8 @@
 Training reads both from logits of [tokens, vocabulary] (16K x 152K for a Qwen3 micro-batch:
 5 GB in bf16, twice that with its gradient). ``head_logprobs_and_entropy`` runs the head in
 chunks of vocabulary columns and keeps only per-row statistics of each (merged as the chunks
-come); backward computes each chunk's logits again. Done with torch ops, each step (upcast, max,
+come); backward computes each chunk's logits again, except the chunks forward kept where the
+device's memory allows (``logits_room``). Done with torch ops, each step (upcast, max,
 exp, sums) is a pass over a chunk in float32; the Triton kernels read a bf16 chunk once forward
 and once backward (writing its gradient).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from shardflow.parallel.comm import ReduceOp, all_reduce
+from shardflow.parallel.device_memory import free_bytes
 
 try:
     import triton
@@ -179,21 +181,27 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, lo: int, hi: int, 
 
 class _HeadStats(torch.autograd.Function):
     """The LM head and the statistics of its softmax in chunks of vocabulary columns: forward keeps
-    per-row statistics only (merged over the chunks, then over the tp group); backward computes
-    each chunk's logits again, and from its gradient that chunk's rows of the weight gradient and
-    its share of the hidden states' gradient. No [tokens, vocabulary] tensor is ever whole."""
+    per-row statistics (merged over the chunks, then over the tp group) and, where ``keep`` lets
+    it, the chunks' logits; backward computes the other chunks' logits again, and from each chunk's
+    gradient that chunk's rows of the weight gradient and its share of the hidden states' gradient.
+    No [tokens, vocabulary] tensor is made whole; kept chunks are freed as backward uses them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_start, real_vocab, scale, group, width):
+    def forward(ctx, hidden, weight, targets, vocab_start, real_vocab, scale, group, width, keep):
         stats_fn = local_stats_triton if _fused(hidden) else local_stats_torch
-        stats = None
+        room, stats, kept = keep, None, []
         for lo in range(0, weight.shape[0], width):
             hi = min(lo + width, weight.shape[0])
-            part = stats_fn(_chunk_logits(hidden, weight, lo, hi, real_vocab), targets, vocab_start + lo, scale)
+            logits = _chunk_logits(hidden, weight, lo, hi, real_vocab)
+            part = stats_fn(logits, targets, vocab_start + lo, scale)
             stats = part if stats is None else merge(stats, part)
+            nbytes = logits.numel() * logits.element_size()
+            if room >= nbytes and len(kept) == lo // width:  # the leading chunks, while they fit
+                kept.append(logits)
+                room -= nbytes
         log_z, logprobs, entropy = combine(stats, group)
         ctx.save_for_backward(hidden, weight, targets, log_z, entropy)
-        ctx.vocab_start, ctx.real_vocab, ctx.scale, ctx.width = vocab_start, real_vocab, scale, width
+        ctx.vocab_start, ctx.real_vocab, ctx.scale, ctx.width, ctx.kept = vocab_start, real_vocab, scale, width, kept
         return logprobs, entropy
 
     @staticmethod
@@ -203,27 +211,52 @@ class _HeadStats(torch.autograd.Function):
         grad_lp, grad_h = grad_lp.float().contiguous(), grad_h.float().contiguous()
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
-        for lo in range(0, weight.shape[0], ctx.width):
+        kept, ctx.kept = ctx.kept, []
+        for i, lo in enumerate(range(0, weight.shape[0], ctx.width)):
             hi = min(lo + ctx.width, weight.shape[0])
-            logits = _chunk_logits(hidden, weight, lo, hi, ctx.real_vocab)
+            if i < len(kept):
+                logits, kept[i] = kept[i], None  # freed once used
+            else:
+                logits = _chunk_logits(hidden, weight, lo, hi, ctx.real_vocab)
             g = grad_fn(logits, targets, ctx.vocab_start + lo, ctx.scale, log_z, entropy, grad_lp, grad_h)
             del logits
             if grad_weight is not None:
                 grad_weight[lo:hi] = g.T @ hidden
             grad_hidden += g @ weight[lo:hi]
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None, None
+
+
+def logits_room(hidden: torch.Tensor, weight: torch.Tensor, width: int) -> int:
+    """Bytes of chunk logits the head may keep for its backward on ``hidden``'s CUDA device: what
+    the device can still give, less what backward takes besides (the float32 gradient of the
+    hidden states, the weight's gradient, one chunk's logits and float32 gradient) twice over and
+    ``KEEP_MARGIN``. Kept logits are freed before the layers' backward, so they compete only with
+    the head's own backward for memory; keeping them spares backward the chunks' products."""
+    rows, item = hidden.shape[0], hidden.element_size()
+    backward = rows * hidden.shape[1] * 4 + weight.numel() * item + rows * width * (item + 4)
+    return max(0, free_bytes(hidden.device) - 2 * backward - KEEP_MARGIN)
+
+
+KEEP_MARGIN = 2 << 30  # bytes left free past the head's backward (the loss, the allocator's blocks)
 
 
 def head_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_start: int,
                               real_vocab: int, group, *, temperature: float = 1.0,
-                              chunk_elements: int = CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+                              chunk_elements: int = CHUNK_ELEMENTS,
+                              keep_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(targets), entropy), float32 [...], of softmax(hidden @ weight.T / temperature) for
     hidden states [..., H] and the local head rows ``weight`` [V_local, H] (vocabulary split over
     ``group``, local rows from ``real_vocab`` on are padding). Both are differentiable, with
-    respect to the hidden states and the weight."""
+    respect to the hidden states and the weight. ``keep_bytes``: at most how many bytes of chunk
+    logits forward keeps for backward (the same gradients either way); None: what the device's
+    free memory allows (``logits_room``), nothing off CUDA."""
     shape = hidden.shape[:-1]
     flat = hidden.reshape(-1, hidden.shape[-1])
     width = chunk_width(flat.shape[0], weight.shape[0], chunk_elements)
+    if not (torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad)):
+        keep_bytes = 0  # no backward to keep them for
+    elif keep_bytes is None:
+        keep_bytes = logits_room(flat, weight, width) if flat.is_cuda else 0
     lp, h = _HeadStats.apply(flat, weight, targets.reshape(-1).contiguous(), vocab_start, real_vocab,
-                             1.0 / temperature, group, width)
+                             1.0 / temperature, group, width, keep_bytes)
     return lp.view(shape), h.view(shape)

@@ -54,7 +54,6 @@ import torch.distributed as dist
 
 from shardflow.config.experiment import BLAS_LIBRARIES, COMPILE_MODES
 from shardflow.engine.compile_fallback import compiled_or_eager
-from shardflow.engine.device_memory import free_bytes
 from shardflow.engine.generate.cuda_graphs import DecodeRunner
 from shardflow.engine.generate.decode_attention import ATTENTION
 from shardflow.engine.generate.decode_weights import decode_weights_layout, drop_decode_weights, make_decode_weights
@@ -63,6 +62,7 @@ from shardflow.engine.generate.requests import Request
 from shardflow.engine.generate.sampling import SamplingTensors, batch_mode, sample
 from shardflow.engine.generate.steps import decode_layer, decode_logits, extend_cache, prefill_logits
 from shardflow.models.transformer import Transformer
+from shardflow.parallel.device_memory import free_bytes
 from shardflow.perf.sharing import PROMPT_ROWS
 
 # Prompt-group numbers, unique within the process (requests move between its engines).

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from shardflow.data.batch import SequenceBatch
-from shardflow.engine.device_memory import free_bytes
 from shardflow.parallel.comm import ReduceOp, all_reduce
+from shardflow.parallel.device_memory import free_bytes
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
 from shardflow.plan.memory import Precision, auto_micro_batch_tokens
