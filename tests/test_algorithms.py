@@ -70,7 +70,9 @@ def test_dpo_learns_the_preferences(pool, example_dir, tmp_path):
     metrics = run_example(pool, example_dir, "dpo", 20, tmp_path / "dpo")
     assert metrics[0]["actor/dpo_loss"] == pytest.approx(0.693147, abs=1e-5)  # the policy is its reference
     accuracy, loss = [m["actor/dpo_accuracy"] for m in metrics], [m["actor/dpo_loss"] for m in metrics]
-    assert mean(accuracy[-5:]) > mean(accuracy[:5]) + 0.2 and mean(loss[-5:]) < mean(loss[:5]) - 0.05, metrics
+    # better by 0.2, or nearly always right where it started close to that (the random start decides)
+    assert mean(accuracy[-5:]) >= min(mean(accuracy[:5]) + 0.2, 0.95), accuracy
+    assert mean(loss[-5:]) < mean(loss[:5]) - 0.05, loss
 
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
