@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 import torch
 
 from shardflow.config.experiment import DataConfig
@@ -110,3 +111,11 @@ def test_the_real_model_example_names_its_missing_package(monkeypatch):
                         else real(name, *a))
     with pytest.raises(ValueError, match=r"pip install -e '.\[examples\]'"):
         smollm2.gguf_file()
+
+
+def test_a_tool_start_that_cannot_write_the_call_is_made_again_then_refused(tmp_path):
+    """The tool example's start is checked: a warm-up too short to learn the calculator call is run
+    again from the next seeds, then refused with each seed's figure; nothing half-made is left."""
+    with pytest.raises(RuntimeError, match=r"seed 0: \d+\.\d+, seed 1: \d+\.\d+, seed 2: \d+\.\d+"):
+        arithmetic_tools.make_start_checkpoint(tmp_path / "start", steps=1)
+    assert list(tmp_path.iterdir()) == []
