@@ -1,4 +1,4 @@
-"""One benchmark on several commits' trees, in turn, on one machine: paired figures for a change.
+"""One benchmark on several commits' trees (or settings), in turn, on one machine: paired figures for a change.
 
 A change's effect on a GPU is often smaller than the spread from machine to machine, so its
 before and after are measured in one call. Here, in the checkout (git needed):
@@ -7,15 +7,19 @@ before and after are measured in one call. Here, in the checkout (git needed):
 
 exports each commit's tree into ``_trees/REV/`` (ignored by git: ``.git/info/exclude``) with this
 checkout's ``bench/`` copied over it, so that every tree runs the same measuring code. On the
-measuring machine (``_trees`` carried along), the checkout itself first, then each tree:
+measuring machine (``_trees`` carried along), the checkout itself (``head``), each tree, and each
+``--variant NAME:VAR=VALUE[,VAR=VALUE]`` (the checkout with those environment variables set):
 
-    python bench/paired.py run --out DIR --script shared_prompts.py --grep 'shared_rows|idle' -- \\
+    python bench/paired.py run --out DIR --script shared_prompts.py --grep 'shared_rows|idle' --rounds 2 -- \\
         --skip-parity --cases shared_rows --profile
 
-Each run gets empty compile caches of its own (inductor's cache keys sizes by name, so a second
-run would reuse the first one's kernels), its output in ``DIR/NAME.log`` and its ``--out`` in
-``DIR/NAME/``; the lines of each log matching ``--grep`` are printed, and ``paired.json`` lists
-the runs (tree, commit, exit status, seconds).
+``--rounds N`` runs them all N times, in order in the first round, in reverse order in the second,
+and so on (ABBA...), so that a machine that slows down or warms up during the call does not favour
+whichever runs first. Each run gets empty compile caches of its own (inductor's cache keys sizes by
+name, so a second run would reuse the first one's kernels), its output in ``DIR/NAME.log`` and its
+``--out`` in ``DIR/NAME/`` (``NAME.rK`` with several rounds); the lines of each log matching
+``--grep`` are printed, and ``paired.json`` lists the runs (name, round, tree, environment, exit
+status, seconds).
 """
 
 from __future__ import annotations
@@ -57,32 +61,49 @@ def prepare(revisions: list[str], root: Path = ROOT) -> list[Path]:
     return made
 
 
-def run(out: Path, script: str, args: list[str], grep: str | None, timeout: float, root: Path = ROOT) -> list[dict]:
-    """``bench/SCRIPT ARGS --out DIR/NAME`` in the checkout (NAME ``head``) and in each prepared tree."""
-    trees = [("head", root)] + [(t.name, t) for t in sorted((root / TREES).glob("*")) if (t / "bench").is_dir()]
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """``NAME:VAR=VALUE[,VAR=VALUE]`` -> (NAME, {VAR: VALUE})."""
+    name, sep, assignments = text.partition(":")
+    pairs = [a.partition("=") for a in assignments.split(",") if a]
+    if not sep or not name or name == "head" or not pairs or any(not var or not eq for var, eq, _ in pairs):
+        raise ValueError(f"--variant {text!r}: expected NAME:VAR=VALUE[,VAR=VALUE] (NAME not 'head')")
+    return name, {var: value for var, _, value in pairs}
+
+
+def run(out: Path, script: str, args: list[str], grep: str | None, timeout: float, root: Path = ROOT,
+        variants: list[tuple[str, dict[str, str]]] = (), rounds: int = 1) -> list[dict]:
+    """``bench/SCRIPT ARGS --out DIR/NAME`` in the checkout (NAME ``head``), in each prepared tree and
+    in the checkout under each variant's environment, ``rounds`` times in alternating order."""
+    candidates = ([("head", root, {})] + [(t.name, t, {}) for t in sorted((root / TREES).glob("*"))
+                                          if (t / "bench").is_dir()] + [(n, root, e) for n, e in variants])
+    names = [c[0] for c in candidates]
+    if len(set(names)) != len(names):
+        raise ValueError(f"run names repeat: {names}")
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for name, tree in trees:
-        with tempfile.TemporaryDirectory() as caches:
-            # set in the environment, these win over run.compile_cache too (engine.compile_cache)
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor",
-                   "TRITON_CACHE_DIR": f"{caches}/triton"}
-            start = time.perf_counter()
-            with (out / f"{name}.log").open("w") as log:
-                try:
-                    code = subprocess.run([sys.executable, str(tree / "bench" / script), *args, "--out", str(out / name)],
-                                          cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          timeout=timeout).returncode
-                except subprocess.TimeoutExpired:
-                    code = "timeout"
-        rows.append({"name": name, "tree": str(tree.relative_to(root)) or ".", "returncode": code,
-                     "seconds": round(time.perf_counter() - start, 1)})
-        print(f"== {name}: exit {code}, {rows[-1]['seconds']} s", flush=True)
-        if grep:
-            pattern = re.compile(grep)
-            for line in (out / f"{name}.log").read_text(errors="replace").splitlines():
-                if pattern.search(line):
-                    print(f"  {line}", flush=True)
+    for r in range(rounds):
+        for name, tree, extra_env in candidates if r % 2 == 0 else candidates[::-1]:
+            label = name if rounds == 1 else f"{name}.r{r + 1}"
+            with tempfile.TemporaryDirectory() as caches:
+                # set in the environment, these win over run.compile_cache too (engine.compile_cache)
+                env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor",
+                       "TRITON_CACHE_DIR": f"{caches}/triton", **extra_env}
+                start = time.perf_counter()
+                with (out / f"{label}.log").open("w") as log:
+                    try:
+                        code = subprocess.run([sys.executable, str(tree / "bench" / script), *args, "--out",
+                                               str(out / label)], cwd=tree, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT, timeout=timeout).returncode
+                    except subprocess.TimeoutExpired:
+                        code = "timeout"
+            rows.append({"name": name, "round": r + 1, "tree": str(tree.relative_to(root)) or ".", "env": extra_env,
+                         "returncode": code, "seconds": round(time.perf_counter() - start, 1)})
+            print(f"== {label}: exit {code}, {rows[-1]['seconds']} s", flush=True)
+            if grep:
+                pattern = re.compile(grep)
+                for line in (out / f"{label}.log").read_text(errors="replace").splitlines():
+                    if pattern.search(line):
+                        print(f"  {line}", flush=True)
     (out / "paired.json").write_text(json.dumps({"script": script, "args": args, "runs": rows}, indent=2) + "\n")
     return rows
 
@@ -97,6 +118,9 @@ def main() -> None:
     r.add_argument("--script", required=True, help="a script of bench/, e.g. shared_prompts.py")
     r.add_argument("--grep", default=None, help="print the lines of each run's output that match this")
     r.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    r.add_argument("--variant", action="append", default=[],
+                   help="NAME:VAR=VALUE[,VAR=VALUE]: also run the checkout with these environment variables")
+    r.add_argument("--rounds", type=int, default=1, help="run everything this many times, alternating the order")
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments, after --")
     args = parser.parse_args()
     if args.command == "prepare":
@@ -105,8 +129,14 @@ def main() -> None:
         return
     if not (ROOT / "bench" / args.script).is_file():
         parser.error(f"no benchmark bench/{args.script}")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
+    try:
+        variants = [parse_variant(v) for v in args.variant]
+    except ValueError as e:
+        parser.error(str(e))
     extra = args.args[1:] if args.args[:1] == ["--"] else args.args
-    rows = run(Path(args.out), args.script, extra, args.grep, args.timeout)
+    rows = run(Path(args.out), args.script, extra, args.grep, args.timeout, variants=variants, rounds=args.rounds)
     sys.exit(0 if all(r["returncode"] == 0 for r in rows) else 1)
 
 
