@@ -60,8 +60,9 @@ def runs(request, tmp_path_factory) -> Background:
                      timeout=300)
         if selected(request, "test_prompt_kv_cascade_equals_the_engine_kernel_in_the_interpreter"):
             bg.outs["prompt_kv"] = tmp_path_factory.mktemp("prompt_kv")
-            bg.start("prompt_kv", [sys.executable, str(BENCH / "prompt_kv_attention.py"), "--tiny", "--out",
-                                   str(bg.outs["prompt_kv"])], env={**interpret, "CUDA_VISIBLE_DEVICES": ""},
+            bg.start("prompt_kv", [sys.executable, str(BENCH / "prompt_kv_attention.py"), "--tiny", "--block-size", "8",
+                                   "--sweep", "--out", str(bg.outs["prompt_kv"])],
+                     env={**interpret, "CUDA_VISIBLE_DEVICES": ""},
                      timeout=300)
         if selected(request, "test_decode_products_triton_matches_cublas_in_the_interpreter"):
             bg.outs["products"] = tmp_path_factory.mktemp("products")
@@ -104,12 +105,15 @@ def test_decode_profile_sweep_and_summary_in_the_interpreter(runs):
 
 def test_prompt_kv_cascade_equals_the_engine_kernel_in_the_interpreter(runs):
     """The cascade of bench/prompt_kv_attention.py (the prompt's positions read once per prompt)
-    gives the engine's decode attention output."""
+    gives the engine's decode attention output and the plain torch attention's, over a paged cache
+    whose blocks lie in a random order; its knob sweep times every setting."""
     pytest.importorskip("triton")
     done = runs.result("prompt_kv")
     assert done.returncode == 0, done.stderr[-4000:]
-    rows = json.loads((runs.outs["prompt_kv"] / "prompt_kv_attention.json").read_text())["rows"]
-    assert rows and all(r["max_abs_diff"] < 1e-5 for r in rows)
+    result = json.loads((runs.outs["prompt_kv"] / "prompt_kv_attention.json").read_text())
+    rows = result["rows"]
+    assert rows and all(r["max_abs_diff"] < 1e-5 and r["max_abs_diff_torch"] < 1e-5 for r in rows)
+    assert result["block_size"] == 8 and len(result["sweep"]) == 3 and all("mean_us" in r for r in result["sweep"])
 
 
 def test_decode_products_triton_matches_cublas_in_the_interpreter(runs):
