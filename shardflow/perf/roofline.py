@@ -133,8 +133,10 @@ class Roofline:
         return gemm + elem + c.layer_overhead_s
 
     def head_backward(self, s: HeadShape, c: Cluster, tokens: float) -> float:
-        """The head's two gradient products and its logits computed again (the head runs in chunks
-        of the vocabulary and keeps none of them, ``models.token_stats``)."""
+        """The head's two gradient products and its logits computed again: the head runs in chunks
+        of the vocabulary and keeps a chunk's logits for backward only where the device's free
+        memory allows at run time (``models.token_stats.logits_room``), so this charges the
+        recompute; a measured profile times whatever the profiling device kept."""
         params = s.hidden * s.vocab
         gemm = _max(6 * tokens * params / (c.matmul_flops * self.matmul_efficiency),
                    3 * params * self.dtype_bytes / c.hbm_bandwidth)
