@@ -45,9 +45,11 @@ from shardflow.engine.generate.decode_attention import (  # noqa: E402
 from shardflow.perf.sharing import PROMPT_ROWS  # noqa: E402
 
 
-def paged(k: torch.Tensor, v: torch.Tensor, block_size: int, g: torch.Generator):
+def paged(k: torch.Tensor, v: torch.Tensor, block_size: int, g: torch.Generator, samples: int, prompt: int):
     """Slots [R, K, L, d] -> caches [S, K, block_size, d] and a block table [R, L / block_size]
-    that lists each row's blocks, the blocks of all rows in a random order through the caches."""
+    that lists each row's blocks, the blocks of all rows in a random order through the caches; as
+    in the engine's paged cache, the samples of a prompt (groups of ``samples`` rows) share the
+    blocks that the prompt fills (one copy, the first row's), and each has its own from there."""
     rows, kv_heads, length, d = k.shape
     n = length // block_size
     order = torch.randperm(rows * n, generator=g, device=k.device)  # order[i]: where logical block i lies
@@ -57,7 +59,11 @@ def paged(k: torch.Tensor, v: torch.Tensor, block_size: int, g: torch.Generator)
         out[order] = c.view(rows, kv_heads, n, block_size, d).transpose(1, 2).reshape(rows * n, kv_heads, block_size, d)
         return out
 
-    return blocked(k), blocked(v), order.view(rows, n)
+    table = order.view(rows, n).clone()
+    full = prompt // block_size
+    leaders = torch.arange(rows, device=k.device) // samples * samples
+    table[:, :full] = table[leaders, :full]
+    return blocked(k), blocked(v), table
 
 
 def measure(device, dtype, prompts_n: int, samples: int, heads: int, kv_heads: int, d: int, prompt: int,
@@ -79,7 +85,7 @@ def measure(device, dtype, prompts_n: int, samples: int, heads: int, kv_heads: i
     q = torch.randn(batch, heads, d, device=device, dtype=dtype, generator=g)
     slots = torch.arange(batch, device=device)
     if block_size:
-        k, v, table = paged(k, v, block_size, g)
+        k, v, table = paged(k, v, block_size, g, samples, prompt)
         slots = table[:batch].contiguous()
     groups = torch.arange(batch, device=device) // samples  # groups of at most PROMPT_ROWS rows
     prompts = (groups, torch.full((batch,), prompt, device=device))
