@@ -98,13 +98,14 @@ def run(out: Path, script: str, args: list[str], grep: str | None, timeout: floa
                         code = "timeout"
             rows.append({"name": name, "round": r + 1, "tree": str(tree.relative_to(root)) or ".", "env": extra_env,
                          "returncode": code, "seconds": round(time.perf_counter() - start, 1)})
+            # after every run, so that a call cut short keeps the runs it finished
+            (out / "paired.json").write_text(json.dumps({"script": script, "args": args, "runs": rows}, indent=2) + "\n")
             print(f"== {label}: exit {code}, {rows[-1]['seconds']} s", flush=True)
             if grep:
                 pattern = re.compile(grep)
                 for line in (out / f"{label}.log").read_text(errors="replace").splitlines():
                     if pattern.search(line):
                         print(f"  {line}", flush=True)
-    (out / "paired.json").write_text(json.dumps({"script": script, "args": args, "runs": rows}, indent=2) + "\n")
     return rows
 
 
