@@ -153,6 +153,8 @@ def main() -> None:
                      prompt=args.prompt_tokens, max_len=max(576, max(contexts) + 1))
         grid = [knobs for knobs in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))
                 if knobs != (BLOCK_N, NUM_WARPS, NUM_STAGES)]
+    if args.block_size < 0:
+        raise ValueError(f"--block-size {args.block_size}: positions per block must be positive (0: one slot per row)")
     if args.block_size and shape["max_len"] < args.block_size:
         raise ValueError(f"--block-size {args.block_size}: longer than the cache's {shape['max_len']} positions")
     grid = [(BLOCK_N, NUM_WARPS, NUM_STAGES), *grid] if args.sweep else []
