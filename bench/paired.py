@@ -8,7 +8,9 @@ before and after are measured in one call. Here, in the checkout (git needed):
 exports each commit's tree into ``_trees/REV/`` (ignored by git: ``.git/info/exclude``) with this
 checkout's ``bench/`` copied over it, so that every tree runs the same measuring code. On the
 measuring machine (``_trees`` carried along), the checkout itself (``head``), each tree, and each
-``--variant NAME:VAR=VALUE[,VAR=VALUE]`` (the checkout with those environment variables set):
+``--variant NAME:VAR=VALUE[,VAR=VALUE]`` (the checkout with those environment variables set) and each
+``--variant-args 'NAME:ARGS'`` (the checkout with ARGS after the script's arguments, e.g. a setting's
+``--set``):
 
     python bench/paired.py run --out DIR --script shared_prompts.py --grep 'shared_rows|idle' --rounds 2 -- \\
         --skip-parity --cases shared_rows --profile
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -70,19 +73,34 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, {var: value for var, _, value in pairs}
 
 
+def parse_variant_args(text: str) -> tuple[str, list[str]]:
+    """``NAME:ARGS`` -> (NAME, ARGS split as a shell would)."""
+    name, sep, rest = text.partition(":")
+    try:
+        extra = shlex.split(rest)
+    except ValueError as e:
+        raise ValueError(f"--variant-args {text!r}: {e}") from None
+    if not sep or not name or name == "head" or not extra:
+        raise ValueError(f"--variant-args {text!r}: expected NAME:ARGS (NAME not 'head', ARGS not empty)")
+    return name, extra
+
+
 def run(out: Path, script: str, args: list[str], grep: str | None, timeout: float, root: Path = ROOT,
-        variants: list[tuple[str, dict[str, str]]] = (), rounds: int = 1) -> list[dict]:
-    """``bench/SCRIPT ARGS --out DIR/NAME`` in the checkout (NAME ``head``), in each prepared tree and
-    in the checkout under each variant's environment, ``rounds`` times in alternating order."""
-    candidates = ([("head", root, {})] + [(t.name, t, {}) for t in sorted((root / TREES).glob("*"))
-                                          if (t / "bench").is_dir()] + [(n, root, e) for n, e in variants])
+        variants: list[tuple[str, dict[str, str]]] = (), rounds: int = 1,
+        variant_args: list[tuple[str, list[str]]] = ()) -> list[dict]:
+    """``bench/SCRIPT ARGS --out DIR/NAME`` in the checkout (NAME ``head``), in each prepared tree,
+    in the checkout under each variant's environment and with each variant's arguments, ``rounds``
+    times in alternating order."""
+    candidates = ([("head", root, {}, [])] + [(t.name, t, {}, []) for t in sorted((root / TREES).glob("*"))
+                                              if (t / "bench").is_dir()]
+                  + [(n, root, e, []) for n, e in variants] + [(n, root, {}, a) for n, a in variant_args])
     names = [c[0] for c in candidates]
     if len(set(names)) != len(names):
         raise ValueError(f"run names repeat: {names}")
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for r in range(rounds):
-        for name, tree, extra_env in candidates if r % 2 == 0 else candidates[::-1]:
+        for name, tree, extra_env, extra_args in candidates if r % 2 == 0 else candidates[::-1]:
             label = name if rounds == 1 else f"{name}.r{r + 1}"
             with tempfile.TemporaryDirectory() as caches:
                 # set in the environment, these win over run.compile_cache too (engine.compile_cache)
@@ -91,13 +109,13 @@ def run(out: Path, script: str, args: list[str], grep: str | None, timeout: floa
                 start = time.perf_counter()
                 with (out / f"{label}.log").open("w") as log:
                     try:
-                        code = subprocess.run([sys.executable, str(tree / "bench" / script), *args, "--out",
+                        code = subprocess.run([sys.executable, str(tree / "bench" / script), *args, *extra_args, "--out",
                                                str(out / label)], cwd=tree, env=env, stdout=log,
                                               stderr=subprocess.STDOUT, timeout=timeout).returncode
                     except subprocess.TimeoutExpired:
                         code = "timeout"
             rows.append({"name": name, "round": r + 1, "tree": str(tree.relative_to(root)) or ".", "env": extra_env,
-                         "returncode": code, "seconds": round(time.perf_counter() - start, 1)})
+                         "extra_args": extra_args, "returncode": code, "seconds": round(time.perf_counter() - start, 1)})
             # after every run, so that a call cut short keeps the runs it finished
             (out / "paired.json").write_text(json.dumps({"script": script, "args": args, "runs": rows}, indent=2) + "\n")
             print(f"== {label}: exit {code}, {rows[-1]['seconds']} s", flush=True)
@@ -121,6 +139,8 @@ def main() -> None:
     r.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     r.add_argument("--variant", action="append", default=[],
                    help="NAME:VAR=VALUE[,VAR=VALUE]: also run the checkout with these environment variables")
+    r.add_argument("--variant-args", action="append", default=[],
+                   help="NAME:ARGS: also run the checkout with these arguments after the script's")
     r.add_argument("--rounds", type=int, default=1, help="run everything this many times, alternating the order")
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments, after --")
     args = parser.parse_args()
@@ -134,10 +154,12 @@ def main() -> None:
         parser.error(f"--rounds {args.rounds}: at least 1")
     try:
         variants = [parse_variant(v) for v in args.variant]
+        variant_args = [parse_variant_args(v) for v in args.variant_args]
     except ValueError as e:
         parser.error(str(e))
     extra = args.args[1:] if args.args[:1] == ["--"] else args.args
-    rows = run(Path(args.out), args.script, extra, args.grep, args.timeout, variants=variants, rounds=args.rounds)
+    rows = run(Path(args.out), args.script, extra, args.grep, args.timeout, variants=variants, rounds=args.rounds,
+               variant_args=variant_args)
     sys.exit(0 if all(r["returncode"] == 0 for r in rows) else 1)
 
 

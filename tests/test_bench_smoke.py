@@ -169,7 +169,7 @@ def test_device_idle_charges_each_gap_to_what_the_host_was_doing():
 def test_paired_runs_a_benchmark_on_the_checkout_and_an_exported_commit(tmp_path):
     """bench/paired.py in a clone of this repository (this checkout's paired.py copied in): a
     commit's tree exported with the checkout's bench/, then one script run in both and in the
-    checkout under a variant's environment, two rounds in alternating order."""
+    checkout under a variant's environment and with a variant's arguments, two rounds in alternating order."""
     if subprocess.run(["git", "-C", str(BENCH.parent), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout")
     clone = tmp_path / "clone"
@@ -185,15 +185,20 @@ def test_paired_runs_a_benchmark_on_the_checkout_and_an_exported_commit(tmp_path
     assert "_trees" not in subprocess.run(["git", "-C", str(clone), "status", "--porcelain"], capture_output=True,
                                           text=True).stdout
     done = subprocess.run([*paired, "run", "--out", str(tmp_path / "out"), "--script", "token_stats.py", "--grep",
-                           "variant", "--variant", "probe:SHARDFLOW_PROBE=1", "--rounds", "2", "--", "--tiny"],
+                           "variant", "--variant", "probe:SHARDFLOW_PROBE=1", "--variant-args", "again:--tiny", "--rounds", "2",
+                           "--", "--tiny"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
     runs = json.loads((tmp_path / "out" / "paired.json").read_text())["runs"]
-    order = ["head", tree.name, "probe"]
+    order = ["head", tree.name, "probe", "again"]
     assert [(r["name"], r["round"]) for r in runs] == [(n, 1) for n in order] + [(n, 2) for n in order[::-1]]
-    assert [r["env"] for r in runs[:3]] == [{}, {}, {"SHARDFLOW_PROBE": "1"}]
+    assert [r["env"] for r in runs[:4]] == [{}, {}, {"SHARDFLOW_PROBE": "1"}, {}]
+    assert [r["extra_args"] for r in runs[:4]] == [[], [], [], ["--tiny"]]
     assert all(r["returncode"] == 0 for r in runs)
     assert all((tmp_path / "out" / f"{r['name']}.r{r['round']}" / "token_stats.json").is_file() for r in runs)
     bad = subprocess.run([*paired, "run", "--out", str(tmp_path / "bad"), "--script", "token_stats.py", "--variant",
                           "probe", "--", "--tiny"], capture_output=True, text=True, env=env)
     assert bad.returncode != 0 and "--variant 'probe'" in bad.stderr and not (tmp_path / "bad").exists()
+    bad = subprocess.run([*paired, "run", "--out", str(tmp_path / "bad"), "--script", "token_stats.py",
+                          "--variant-args", "again:", "--", "--tiny"], capture_output=True, text=True, env=env)
+    assert bad.returncode != 0 and "--variant-args 'again:'" in bad.stderr and not (tmp_path / "bad").exists()
