@@ -181,7 +181,8 @@ def kernel_profile(model, device, batch: int, context: int, compile: bool, tempe
         engine.release_cache()
     kernels = [dict(name=e.key[:120], calls=e.count, us_per_step=e.device_time_total / 10,
                     share=e.device_time_total / total) for e in events[:40]]
-    return dict(kernels=kernels, device_us_per_step=total / 10, graph_us_per_step=graph_us)
+    return dict(kernels=kernels, device_us_per_step=total / 10, graph_us_per_step=graph_us,
+                kernels_per_step=sum(e.count for e in events) / 10)
 
 
 def sampler_times(device, cfg) -> list[dict]:
@@ -309,7 +310,8 @@ def print_summary(result: dict) -> None:
             print(f"-- {key}: failed: {prof['error']}")
             continue
         graph = f", {prof['graph_us_per_step']:.1f} us per step as CUDA graphs" if prof["graph_us_per_step"] else ""
-        print(f"-- {key}: {prof['device_us_per_step']:.1f} us of kernels per step{graph}; top kernels (us per step)")
+        print(f"-- {key}: {prof['device_us_per_step']:.1f} us of kernels per step ({prof['kernels_per_step']:.0f} "
+              f"kernels){graph}; top kernels (us per step)")
         for r in prof["kernels"]:
             print(f"   {r['us_per_step']:8.1f} {100 * r['share']:5.1f}% x{r['calls'] // 10:<4} {r['name']}")
 

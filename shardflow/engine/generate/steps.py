@@ -8,8 +8,8 @@
   they attend over history and themselves.
 - ``decode_logits``: one new token per request; its key and value go into the slot at its
   position, then it attends over the slot's valid positions (through its blocks when the cache
-  is paged). Layer by layer through ``decode_layer``, which the engine compiles (one layer's
-  code for all of them).
+  is paged). ``decode_start``, then layer by layer through ``decode_layer``, then ``decode_end``;
+  the engine compiles the three (one layer's code for all of them).
 
 Both return this rank's vocabulary slice of the logits; the model's own tp collectives (two
 all-reduces per layer and one for the embedding) are the only communication.
@@ -102,38 +102,53 @@ def decode_layer(layer: DecoderLayer, x: torch.Tensor, pending: torch.Tensor, co
     return x, layer.mlp(layer.post_attention_layernorm(x))
 
 
+def decode_start(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A decode step before its layers: tokens, positions, slots [B] -> the embedded tokens h
+    [B,1,H], what the first layer adds to them (zeros: see ``decode_layer``), the rotary tables
+    cos and sin, the rows' blocks (their rows of the block table, or their slots), where the new
+    tokens' keys and values go (blocks, offsets [B,1]) and the rows' lengths once they are
+    written. A function of tensors and the model, so that the engine can compile it into a few
+    kernels (eager, it is about a dozen small ones a step)."""
+    h = model.model.embed_tokens(tokens[:, None])
+    cos, sin = model.rope(positions[:, None], h.dtype)
+    blocks = cache.table[slots] if cache.paged else slots  # [B, n] or [B]
+    at = cache.locate(slots[:, None], positions[:, None])
+    return h, torch.zeros_like(h), cos, sin, blocks, at, positions + 1
+
+
+def decode_end(model: Transformer, h: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+    """A decode step after its layers: the last layer's residual stream h and MLP output
+    ``pending`` [B,1,H] -> logits [B, V_local] (the final norm and the head)."""
+    return model.logits(model.model.norm(h + pending)[:, 0])
+
+
 def decode_logits(model: Transformer, cache: KVCache, attention: DecodeAttention, tokens: torch.Tensor,
                   positions: torch.Tensor, slots: torch.Tensor,
                   prompts: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  layer_fn: Callable[..., torch.Tensor] = decode_layer, span: int | None = None) -> torch.Tensor:
+                  layer_fn: Callable[..., torch.Tensor] = decode_layer, span: int | None = None,
+                  start_fn: Callable[..., tuple[torch.Tensor, ...]] = decode_start,
+                  end_fn: Callable[..., torch.Tensor] = decode_end) -> torch.Tensor:
     """tokens, positions, slots [B] -> logits [B, V_local] of the next token. ``prompts``: the
     rows' shared-prompt groups and prompt lengths (see ``decode_attention``), or None;
-    ``layer_fn``: ``decode_layer`` or a compiled version of it; ``span``: a host bound on every
-    row's length after this step, or None.
+    ``layer_fn``, ``start_fn``, ``end_fn``: ``decode_layer``, ``decode_start`` and ``decode_end``
+    or compiled versions of them; ``span``: a host bound on every row's length after this step,
+    or None.
 
     Without ``span`` it has no host synchronisation and no data-dependent shapes, so it can be
     captured in a CUDA graph. With it, attention is handed only the blocks (or, one block per row,
     the positions) that the rows reach: the plain torch attention reads whole rows of what it is
     handed.
     """
-    lengths = positions + 1  # valid positions once this token's K/V are written
-    windows = model.cfg.sliding_windows
-    blocks = cache.table[slots] if cache.paged else slots  # [B, n]: the rows of the block table
+    h, pending, cos, sin, blocks, at, lengths = start_fn(model, cache, tokens, positions, slots)
     if span is not None and cache.paged:
         blocks = blocks[:, :-(-span // cache.block_size)]
     upto = span if span is not None and not cache.paged else None
-    at = cache.locate(slots[:, None], positions[:, None])  # where the new token's K/V go: [B,1] each
-
-    def run_layers(layers: Mapping[str, DecoderLayer], h: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor) -> torch.Tensor:
-        pending = torch.zeros_like(h)  # what the first layer adds to its input
-        for index, layer in layers.items():
-            k, v = cache.k[int(index)], cache.v[int(index)]
-            if upto is not None:
-                k, v = k[:, :, :upto], v[:, :, :upto]
-            h, pending = layer_fn(layer, h, pending, cos, sin, k, v, attention, at, blocks, lengths,
-                                  windows[int(index)], prompts)
-        return h + pending
-
-    hidden = model(tokens[:, None], positions[:, None], run_layers=run_layers)  # [B,1,H]
-    return model.logits(hidden[:, 0])
+    windows = model.cfg.sliding_windows
+    for index, layer in model.model.layers.items():
+        k, v = cache.k[int(index)], cache.v[int(index)]
+        if upto is not None:
+            k, v = k[:, :, :upto], v[:, :, :upto]
+        h, pending = layer_fn(layer, h, pending, cos, sin, k, v, attention, at, blocks, lengths, windows[int(index)],
+                              prompts)
+    return end_fn(model, h, pending)
