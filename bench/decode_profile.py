@@ -159,7 +159,11 @@ def kernel_profile(model, device, batch: int, context: int, compile: bool, tempe
         torch.cuda.synchronize(device)
         return engine
 
+    warm_compiler(device)
+    compiled_before = len(compilation_metrics())
     engine = engine_at_context(graphs=False)
+    compiles = [dict(function=m.co_name, seconds=float(m.entire_frame_compile_time_s or 0.0))
+                for m in compilation_metrics()[compiled_before:]]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             engine.step()
@@ -182,7 +186,20 @@ def kernel_profile(model, device, batch: int, context: int, compile: bool, tempe
     kernels = [dict(name=e.key[:120], calls=e.count, us_per_step=e.device_time_total / 10,
                     share=e.device_time_total / total) for e in events[:40]]
     return dict(kernels=kernels, device_us_per_step=total / 10, graph_us_per_step=graph_us,
-                kernels_per_step=sum(e.count for e in events) / 10)
+                kernels_per_step=sum(e.count for e in events) / 10, compiles=compiles)
+
+
+def compilation_metrics() -> list:
+    """dynamo's record of each frame it compiled in this process (function name, seconds), in order;
+    [] where this torch keeps none."""
+    return list(getattr(torch._dynamo.utils, "get_compilation_metrics", lambda: [])())
+
+
+def warm_compiler(device) -> None:
+    """One trivial compilation, so that the compiler's own start (its worker processes, the first
+    kernel's toolchain) is not charged to the decode step's first function, as in a run where
+    training's layers compiled first."""
+    torch.compile(lambda x: x * 2 + 1)(torch.ones(4, device=device))
 
 
 def sampler_times(device, cfg) -> list[dict]:
@@ -312,6 +329,8 @@ def print_summary(result: dict) -> None:
         graph = f", {prof['graph_us_per_step']:.1f} us per step as CUDA graphs" if prof["graph_us_per_step"] else ""
         print(f"-- {key}: {prof['device_us_per_step']:.1f} us of kernels per step ({prof['kernels_per_step']:.0f} "
               f"kernels){graph}; top kernels (us per step)")
+        if prof.get("compiles"):
+            print(f"   compiled (s): " + ", ".join(f"{c['function']} {c['seconds']:.2f}" for c in prof["compiles"]))
         for r in prof["kernels"]:
             print(f"   {r['us_per_step']:8.1f} {100 * r['share']:5.1f}% x{r['calls'] // 10:<4} {r['name']}")
 

@@ -219,7 +219,11 @@ def speed(world, shapes: list[str], cfg: ModelConfig, args) -> list[dict]:
     return rows
 
 
-KINDS = (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "splitkreduce")), ("attention", ("flash", "fmha", "attention")),
+# Kinds of kernel by words of their names, the first kind that matches: attention before matrix
+# products (a fused attention kernel's name may hold a product's word); "triton_tem" names
+# inductor's Triton templates (its matrix products under max-autotune, epilogues fused in).
+KINDS = (("attention", ("flash", "fmha", "attention")),
+         ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "splitkreduce", "triton_tem")),
          ("optimizer", ("multi_tensor", "foreach", "adam")))
 
 
