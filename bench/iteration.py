@@ -202,12 +202,13 @@ def run_shardflow(work: Path, workload: dict, iterations: int, overrides: list[s
     first_end = rows[0]["time"] - started_at  # from the command to iteration 1's metrics
     steady = rows[1:] if len(rows) > 1 else rows
     phases = {k.removeprefix("time/"): statistics.median(r[k] for r in steady) for k in steady[0]
-              if k.startswith("time/") and not k.startswith(("time/realloc", "time/compile", "time/setup"))}
+              if k.startswith("time/") and not k.startswith(("time/realloc", "time/compile", "time/jit", "time/setup"))}
     # what the first iteration spent compiling (per call) and on setup before it
-    first = {k.removeprefix("time/"): v for k, v in rows[0].items() if k.startswith(("time/compile", "time/setup"))}
+    first = {k.removeprefix("time/"): v for k, v in rows[0].items()
+             if k.startswith(("time/compile", "time/jit", "time/setup"))}
     first_phases = {k.removeprefix("time/"): v for k, v in rows[0].items() if k.startswith("time/")
-                    and not k.startswith(("time/compile", "time/setup"))}
-    recompiled = sorted({k for r in rows[1:] for k in r if k.startswith("time/compile")})
+                    and not k.startswith(("time/compile", "time/jit", "time/setup"))}
+    recompiled = sorted({k for r in rows[1:] for k in r if k.startswith(("time/compile", "time/jit"))})
     peaks = {k.removeprefix("memory/").removesuffix("/peak_gb"): max(r[k] for r in rows) for k in rows[0]
              if k.startswith("memory/")}
     return {"iteration_s": [r["time/iteration"] for r in rows], "median_iteration_s": phases.pop("iteration"),

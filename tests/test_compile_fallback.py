@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from shardflow.engine.compile_cache import start_compile_workers, use_compile_cache
+from shardflow.engine.compile_cache import kernel_compile_seconds, start_compile_workers, use_compile_cache
 from shardflow.engine.compile_fallback import compiled_or_eager
 from shardflow.models.transformer import TRIAL_TOKENS
 
@@ -93,6 +93,31 @@ torch.nn.init.normal_(model.model.embed_tokens.weight)
 model(torch.arange(8)[None], torch.arange(8)[None]).sum().backward()
 print(sorted(m for m in ("torch._dynamo", "torch._inductor", "sympy") if m in sys.modules))
 """
+
+
+def test_kernel_compile_seconds_counts_shardflow_kernels_compiled_not_cache_hits_nor_others():
+    """Triton's compilation listener, as Triton calls it (simulated: no GPU here): a shardflow
+    kernel's compilation counts its microseconds, a cache hit and another module's kernel do not,
+    and a listener set before it still hears every compilation."""
+    knobs = pytest.importorskip("triton.knobs").compilation
+    if not hasattr(knobs, "listener"):
+        pytest.skip("this Triton has no compilation listener")
+    heard = []
+    knobs.listener = lambda **kw: heard.append(kw["cache_hit"])
+    kernel_compile_seconds()  # installs its listener over the one set above
+    start = kernel_compile_seconds()
+
+    def compiled(module: str, cache_hit: bool, micros: int):
+        fn = type("JIT", (), {"fn": type("F", (), {"__module__": module})})()
+        times = type("T", (), {"total": micros})()
+        knobs.listener(src=type("Src", (), {"fn": fn})(), metadata={}, metadata_group={}, times=times,
+                       cache_hit=cache_hit)
+
+    compiled("shardflow.models.token_stats", False, 1_500_000)
+    compiled("shardflow.models.token_stats", True, 2_000_000)
+    compiled("torch._inductor.generated", False, 3_000_000)
+    assert kernel_compile_seconds() - start == pytest.approx(1.5)
+    assert heard[-3:] == [False, True, False]
 
 
 def test_a_process_that_never_compiles_never_loads_the_compiler():

@@ -69,3 +69,32 @@ def compile_seconds() -> float:
     timers = sys.modules.get("torch._dynamo.utils")
     spent = getattr(timers, "calculate_time_spent", None)  # private: a torch may lack it
     return float(spent().get("total_wall_time", 0.0)) if spent is not None else 0.0
+
+
+_kernel_seconds = [0.0]  # shardflow's own Triton kernels compiled by this process, in seconds
+
+
+def kernel_compile_seconds() -> float:
+    """Seconds this process has spent compiling shardflow's own Triton kernels (decode attention,
+    the sampler, the head's statistics, gradient accumulation) at their first launch with each
+    specialisation, by Triton's compilation listener; cache hits cost nothing here. Not in
+    ``compile_seconds`` (dynamo does not see them), and not inductor's kernels (those are).
+    Listens from its first call on (again if another listener took its place, which it then
+    calls too); 0.0 where Triton is not loaded or has no listener."""
+    triton = sys.modules.get("triton")
+    knobs = getattr(getattr(triton, "knobs", None), "compilation", None)
+    if knobs is not None and hasattr(knobs, "listener") and not getattr(knobs.listener, "_shardflow", False):
+        knobs.listener = _counting_listener(knobs.listener)
+    return _kernel_seconds[0]
+
+
+def _counting_listener(before):
+    def listen(*, src, metadata, metadata_group, times, cache_hit):
+        if before is not None:
+            before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+        module = getattr(getattr(getattr(src, "fn", None), "fn", None), "__module__", "") or ""
+        if not cache_hit and module.startswith("shardflow."):
+            _kernel_seconds[0] += times.total / 1e6  # Triton times in microseconds
+
+    listen._shardflow = True
+    return listen

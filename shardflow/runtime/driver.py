@@ -31,7 +31,12 @@ from shardflow.data.batch import SequenceBatch
 from shardflow.data.prompts import PromptSampler, completion_batch
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
 from shardflow.engine.adaptive.trace import GenerationTrace, plot_trace
-from shardflow.engine.compile_cache import compile_seconds, start_compile_workers, use_compile_cache
+from shardflow.engine.compile_cache import (
+    compile_seconds,
+    kernel_compile_seconds,
+    start_compile_workers,
+    use_compile_cache,
+)
 from shardflow.models.checkpoint import save_checkpoint
 from shardflow.parallel.world import World
 from shardflow.rl.advantages import KLController
@@ -148,7 +153,7 @@ class Run:
         cuda = world.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(world.device)
-        start, compiled = time.time(), compile_seconds()
+        start, compiled, kernels = time.time(), compile_seconds(), kernel_compile_seconds()
         if kind.uses_model:
             layout, slot = self.plan[call.name].layout, self.slots[call.model]
             model = slot.model_for(layout)
@@ -169,6 +174,9 @@ class Run:
         compiled = compile_seconds() - compiled
         if compiled > 0:  # torch.compile at work inside the call (first use, or a recompile)
             report.metrics[f"time/compile/{call.name}"] = compiled
+        kernels = kernel_compile_seconds() - kernels
+        if kernels > 0:  # shardflow's Triton kernels compiled at their first launch
+            report.metrics[f"time/jit/{call.name}"] = kernels
         if cuda:  # the most device memory that tensors held during the call, on this rank
             report.metrics[f"memory/{call.name}/peak_gb"] = torch.cuda.max_memory_allocated(world.device) / 1e9
         if round > 0:

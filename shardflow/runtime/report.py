@@ -30,9 +30,10 @@ def merge_reports(per_rank: list[dict], graph: Graph, plan, config: ExperimentCo
             summary.setdefault("_errors", []).append(f"{call.name}: {errors[0]}")
         if "reward/errors" in (key for _, r in reports for key in r.metrics):
             summary["reward/errors"] = sum(r.metrics.get("reward/errors", 0.0) for _, r in reports)
-        compiled = [r.metrics[f"time/compile/{call.name}"] for _, r in reports if f"time/compile/{call.name}" in r.metrics]
-        if compiled:  # the slowest rank's compilation inside the call
-            summary[f"time/compile/{call.name}"] = max(compiled)
+        for key in (f"time/compile/{call.name}", f"time/jit/{call.name}"):
+            compiled = [r.metrics[key] for _, r in reports if key in r.metrics]
+            if compiled:  # the slowest rank's compilation inside the call
+                summary[key] = max(compiled)
         key = f"memory/{call.name}/peak_gb"
         peaks = [r.metrics[key] for _, r in reports if key in r.metrics]
         if peaks:  # GPU runs: the largest rank's peak
