@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -253,12 +254,25 @@ def test_torch_path_masks_past_the_length_and_outside_the_window():
             torch.testing.assert_close(got[b], (w @ v)[:, 0], atol=1e-6, rtol=0)
 
 
-def test_kernels_compile_for_hopper():
+def test_kernels_compile_for_hopper(monkeypatch):
     """The interpreter runs the kernels' Python, not their compilation: compile each variant the
     engine launches for sm_90 (Triton's own ptxas, no GPU needed), prompt sharing on and off."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    # CPython 3.11's ast.parse is not safe across threads (a shared recursion-depth count: "AST
+    # constructor recursion depth mismatch"); the kernels' sources are parsed one at a time, and
+    # the long passes after it still run in parallel.
+    parse, lock = getattr(JITFunction, "parse", None), threading.Lock()
+
+    def parse_one_at_a_time(self):
+        with lock:
+            return parse(self)
+
+    if hasattr(JITFunction, "parse"):
+        monkeypatch.setattr(JITFunction, "parse", parse_one_at_a_time)
 
     from shardflow.engine.generate import decode_attention as da
 
