@@ -108,3 +108,22 @@ def test_kernel_compiles_for_hopper():
         constants = {(fn.arg_names.index("ALIGNED"),): aligned, (fn.arg_names.index("BLOCK"),): ga.BLOCK}
         source = ASTSource(fn=fn, signature=types, constexprs=constants)
         triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": ga.NUM_WARPS})
+
+
+def test_a_short_group_is_the_variant_of_a_full_one_and_warmed(monkeypatch):
+    """The step's last group (fewer than MAX_SOURCES gradients) launches the variant a full group
+    does (its unused slots repeat a source: the same pointer dtypes), and ``warm_kernels`` compiles
+    that variant; a buffer past 2**31 elements also the one of 64-bit offsets."""
+    pytest.importorskip("triton")
+    from test_token_stats import Recorder
+
+    recorder = Recorder(ga._accumulate_kernel)
+    monkeypatch.setattr(ga, "_accumulate_kernel", recorder)
+    grads = [torch.zeros(n, dtype=torch.bfloat16) for n in (5000, 12, 4096, 8, 300, 2048, 7, 1, 9000, 64, 3)]
+    offsets = [4 * i * 10000 for i in range(len(grads))]
+    ga.accumulate_triton(torch.zeros(4 * 10000 * len(grads)), offsets, grads)
+    assert len(recorder.launched) == 1  # 8 sources, then 3
+    ga.warm_kernels(torch.bfloat16, 10 ** 9)
+    assert recorder.warmed == recorder.launched
+    ga.warm_kernels(torch.bfloat16, 3 * 10 ** 9)
+    assert len(recorder.warmed) == 2

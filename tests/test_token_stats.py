@@ -109,3 +109,59 @@ def test_kept_chunk_logits_give_the_recomputed_gradients(keep_chunks, monkeypatc
         ts.head_logprobs_and_entropy(hidden, weight.requires_grad_(), targets, 0, 45, None,
                                      chunk_elements=12 * n, keep_bytes=1 << 30)
     assert kept[-1] == 0
+
+
+def specialisation(kernel, args: tuple) -> tuple:
+    """What Triton compiles a variant by, for each argument (as near as a CPU test can say): a
+    tensor's dtype, an int's divisibility by 16 and being 1 (or, where the kernel does not
+    specialise on it, its width), a float's type."""
+    loose = set(getattr(kernel, "do_not_specialize", ()))
+    out = []
+    for name, a in zip(kernel.arg_names, args):
+        if hasattr(a, "dtype"):
+            out.append(("pointer", a.dtype))
+        elif isinstance(a, bool) or not isinstance(a, int):
+            out.append((type(a).__name__,))
+        elif name in loose:
+            out.append(("int", -2**31 <= a < 2**31))
+        else:
+            out.append(("int", a % 16 == 0, a == 1))
+    return tuple(out)
+
+
+class Recorder:
+    """A kernel's stand-in: records the specialisation of each launch and each warm-up, runs nothing."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launched, self.warmed = kernel, set(), set()
+
+    def __getitem__(self, grid):
+        return lambda *args, **options: self.launched.add((specialisation(self.kernel, args), tuple(options.items())))
+
+    def warmup(self, *args, grid, **options):
+        from triton.runtime.jit import MockTensor
+
+        args = tuple(MockTensor.wrap_dtype(a) for a in args)
+        self.warmed.add((specialisation(self.kernel, args), tuple(options.items())))
+
+
+@pytest.mark.parametrize("vocab", [600, 512])
+def test_warmed_kernels_are_the_variants_training_launches(vocab, monkeypatch):
+    """``warm_kernels`` compiles the statistics and gradient kernels with the specialisations that
+    the head's forward and backward launch over the same chunks: chunks of 256 columns, the last
+    one ragged (88 columns: not a multiple of 16) or not."""
+    from shardflow.models import token_stats as ts
+
+    stats, grad = Recorder(ts._stats_kernel), Recorder(ts._grad_kernel)
+    monkeypatch.setattr(ts, "_stats_kernel", stats)
+    monkeypatch.setattr(ts, "_grad_kernel", grad)
+    monkeypatch.setattr(ts, "_fused", lambda x: True)  # the kernels' path, on CPU tensors
+    rows, elements = 4, 4 * 256
+    hidden = torch.randn(rows, 8, requires_grad=True)
+    weight = torch.randn(vocab, 8, dtype=torch.float32, requires_grad=True)
+    lp, ent = ts.head_logprobs_and_entropy(hidden, weight, torch.zeros(rows, dtype=torch.long), 32, vocab, None,
+                                           chunk_elements=elements, keep_bytes=0)
+    (lp.sum() + ent.sum()).backward()
+    assert ts.warm_kernels(torch.float32, vocab, 32, rows=rows, chunk_elements=elements) == -(-vocab // 256)
+    assert len(stats.launched) == (2 if vocab % 16 else 1)
+    assert stats.warmed == stats.launched and grad.warmed == grad.launched

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -71,21 +72,22 @@ def compile_seconds() -> float:
     return float(spent().get("total_wall_time", 0.0)) if spent is not None else 0.0
 
 
-_kernel_seconds = [0.0]  # shardflow's own Triton kernels compiled by this process, in seconds
+_kernel_seconds: dict[int, float] = {}  # shardflow's own Triton kernels compiled, seconds by thread
 
 
 def kernel_compile_seconds() -> float:
-    """Seconds this process has spent compiling shardflow's own Triton kernels (decode attention,
-    the sampler, the head's statistics, gradient accumulation) at their first launch with each
-    specialisation, by Triton's compilation listener; cache hits cost nothing here. Not in
-    ``compile_seconds`` (dynamo does not see them), and not inductor's kernels (those are).
-    Listens from its first call on (again if another listener took its place, which it then
-    calls too); 0.0 where Triton is not loaded or has no listener."""
+    """Seconds the calling thread has spent compiling shardflow's own Triton kernels (decode
+    attention, the sampler, the head's statistics, gradient accumulation) at their first launch
+    with each specialisation, by Triton's compilation listener; cache hits cost nothing here, and
+    compilations ahead of time on other threads (``engine.train.kernel_warmup``) are theirs. Not in
+    ``compile_seconds`` (dynamo does not see them), and not inductor's kernels (those are). Listens
+    from its first call on (again if another listener took its place, which it then calls too);
+    0.0 where Triton is not loaded or has no listener."""
     triton = sys.modules.get("triton")
     knobs = getattr(getattr(triton, "knobs", None), "compilation", None)
     if knobs is not None and hasattr(knobs, "listener") and not getattr(knobs.listener, "_shardflow", False):
         knobs.listener = _counting_listener(knobs.listener)
-    return _kernel_seconds[0]
+    return _kernel_seconds.get(threading.get_ident(), 0.0)
 
 
 def _counting_listener(before):
@@ -94,7 +96,8 @@ def _counting_listener(before):
             before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
         module = getattr(getattr(getattr(src, "fn", None), "fn", None), "__module__", "") or ""
         if not cache_hit and module.startswith("shardflow."):
-            _kernel_seconds[0] += times.total / 1e6  # Triton times in microseconds
+            thread = threading.get_ident()
+            _kernel_seconds[thread] = _kernel_seconds.get(thread, 0.0) + times.total / 1e6  # Triton's microseconds
 
     listen._shardflow = True
     return listen

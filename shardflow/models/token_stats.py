@@ -20,6 +20,8 @@ Padding columns hold -inf and contribute nothing.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from shardflow.parallel.comm import ReduceOp, all_reduce
@@ -107,9 +109,19 @@ def local_stats_triton(x: torch.Tensor, targets: torch.Tensor, vocab_start: int,
     """``local_stats_torch`` in one read of x (GPU, or ``TRITON_INTERPRET=1`` on CPU)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     stats = torch.empty(x.shape[0], 4, dtype=torch.float32, device=x.device)
-    _stats_kernel[(x.shape[0],)](x, targets, stats, x.stride(0), x.shape[1], vocab_start, scale, BLOCK=BLOCK_V,
-                                 num_warps=8)
+    _launch_stats(_stats_kernel[(x.shape[0],)], x, targets, stats, vocab_start, scale)
     return stats
+
+
+# The launches' arguments, shared by the launches and by ``warm_kernels`` (whose tensors are
+# Triton's stand-ins: a dtype and a shape, so ``stride()`` whole, not ``stride(0)``).
+def _launch_stats(kernel, x, targets, stats, vocab_start, scale) -> None:
+    kernel(x, targets, stats, x.stride()[0], x.shape[1], vocab_start, scale, BLOCK=BLOCK_V, num_warps=8)
+
+
+def _launch_grad(kernel, x, targets, log_z, entropy, grad_lp, grad_h, g, vocab_start, scale) -> None:
+    kernel(x, targets, log_z, entropy, grad_lp, grad_h, g, x.stride()[0], g.stride()[0], x.shape[1], vocab_start,
+           scale, BLOCK=BLOCK_V, num_warps=8)
 
 
 def grad_torch(x, targets, vocab_start, scale, log_z, entropy, grad_lp, grad_h) -> torch.Tensor:
@@ -127,8 +139,7 @@ def grad_triton(x, targets, vocab_start, scale, log_z, entropy, grad_lp, grad_h)
     """``grad_torch`` in one read of x and one write of the gradient."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     g = torch.empty_like(x)
-    _grad_kernel[(x.shape[0],)](x, targets, log_z, entropy, grad_lp, grad_h, g, x.stride(0), g.stride(0),
-                                x.shape[1], vocab_start, scale, BLOCK=BLOCK_V, num_warps=8)
+    _launch_grad(_grad_kernel[(x.shape[0],)], x, targets, log_z, entropy, grad_lp, grad_h, g, vocab_start, scale)
     return g
 
 
@@ -169,6 +180,26 @@ def chunk_width(rows: int, columns: int, chunk_elements: int = CHUNK_ELEMENTS) -
     most all of them."""
     width = max(1, chunk_elements // max(rows, 1))
     return min(width - width % 256 if width > 256 else width, columns)
+
+
+def warm_kernels(dtype: torch.dtype, vocab_rows: int, vocab_start: int, rows: int = 16384,
+                 chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    """Compile, without launching, the statistics and gradient kernels for the current CUDA device,
+    as training's chunks of ``vocab_rows`` local head rows (from ``vocab_start``) in ``dtype`` will
+    launch them: the argument values that Triton specialises on (sizes and offsets divisible by 16
+    or not) depend on the chunks' widths, not on the rows (``rows``: any micro-batch's). Returns
+    the chunks warmed; each distinct specialisation compiles once (Triton's cache)."""
+    from triton.runtime.jit import MockTensor
+
+    width = chunk_width(rows, vocab_rows, chunk_elements)
+    chunks = range(0, vocab_rows, width)
+    for lo in chunks:
+        x = MockTensor(dtype, [1, min(lo + width, vocab_rows) - lo])
+        start = vocab_start + lo
+        _launch_stats(functools.partial(_stats_kernel.warmup, grid=(1,)), x, torch.int64, torch.float32, start, 1.0)
+        _launch_grad(functools.partial(_grad_kernel.warmup, grid=(1,)), x, torch.int64, *[torch.float32] * 4, x,
+                     start, 1.0)
+    return len(chunks)
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, lo: int, hi: int, real_vocab: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 
 from shardflow.config.experiment import ModelSpec
 from shardflow.config.model import ModelConfig
+from shardflow.engine.train import kernel_warmup
 from shardflow.engine.train.engine import TrainEngine
 from shardflow.models.checkpoint import load_model
 from shardflow.models.reallocate import reallocate_model
@@ -64,6 +65,8 @@ class ModelSlot:
         slot = cls(world, role, spec, cfg, home, compute_dtype(spec, world.device))
         if world.rank in home:
             slot.home_model, _ = load_model(spec.path, home, world, slot.dtype, cfg=cfg)
+            if trained:  # while the layers compile below and the first calls run
+                kernel_warmup.start(slot.home_model)
             slot._maybe_compile(slot.home_model)
             if trained:
                 slot.engine = TrainEngine(slot.home_model, home, world, spec.optim,

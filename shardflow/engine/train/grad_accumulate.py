@@ -16,6 +16,7 @@ stores vectorise. On CPU (or without Triton) each gradient is added on its own; 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -105,14 +106,29 @@ def accumulate_triton(flat: torch.Tensor, offsets: Sequence[int], grads: Sequenc
         for _, g in chunk:
             firsts.append(programs)
             programs += triton.cdiv(g.numel(), block)
-        unused = MAX_SOURCES - len(chunk)  # any valid pointer, no elements
-        _accumulate_kernel[(programs,)](
-            flat, *[g for _, g in chunk], *[flat] * unused,
-            *[g.numel() for _, g in chunk], *[0] * unused,
-            *[a for a, _ in chunk], *[0] * unused,
-            *firsts, *[0] * unused,
-            ALIGNED=all(a % 4 == 0 for a, _ in chunk), BLOCK=block, num_warps=num_warps,
-        )
+        _launch(_accumulate_kernel[(programs,)], flat, [g for _, g in chunk], [g.numel() for _, g in chunk],
+                [a for a, _ in chunk], firsts, block, num_warps)
+
+
+def _launch(kernel, flat, sources, numels, offsets, firsts, block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
+    """The kernel's arguments for up to MAX_SOURCES sources. Unused slots repeat the first source
+    (no elements): their pointers' dtype is then the group's, so that a short group (a step's last)
+    is the same compiled variant as a full one."""
+    unused = MAX_SOURCES - len(sources)
+    kernel(flat, *sources, *sources[:1] * unused, *numels, *[0] * unused, *offsets, *[0] * unused,
+           *firsts, *[0] * unused, ALIGNED=all(a % 4 == 0 for a in offsets), BLOCK=block, num_warps=num_warps)
+
+
+def warm_kernels(dtype: torch.dtype, numel: int) -> None:
+    """Compile, without launching, the kernel for the current CUDA device as it adds gradients of
+    ``dtype`` into a float32 buffer of ``numel`` elements: aligned offsets, and offsets past 2**31
+    where the buffer reaches them (another argument type)."""
+    from triton.runtime.jit import MockTensor
+
+    for offset in (0, 1 << 31) if numel > 1 << 31 else (0,):
+        _launch(functools.partial(_accumulate_kernel.warmup, grid=(1,)), MockTensor(torch.float32),
+                [MockTensor(dtype)] * MAX_SOURCES, [BLOCK] * MAX_SOURCES, [offset] * MAX_SOURCES,
+                list(range(MAX_SOURCES)))
 
 
 def accumulate_into(flat: torch.Tensor, offsets: Sequence[int], grads: Sequence[torch.Tensor]) -> None:

@@ -1,0 +1,56 @@
+"""Training's own Triton kernels compiled ahead, in the background, while the run sets up.
+
+The head's statistics and gradient kernels (``models.token_stats``) and the gradient
+accumulation (``engine.train.grad_accumulate``) compile at their first launch: about 4 s of a
+cold first training call on an H100, on the training's critical path, while the run's setup
+(loading, the layers' trial compilation) and its first generation leave the host's threads
+mostly waiting. ``start`` compiles them on a thread of their own for the specialisations that
+training will launch; a launch that finds its variant compiled costs nothing more, one that does
+not (another specialisation) compiles as it did before. A failure here is logged and costs
+nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from shardflow.engine.train import grad_accumulate
+from shardflow.models import token_stats
+from shardflow.models.transformer import Transformer
+
+logger = logging.getLogger(__name__)
+
+
+def start(model: Transformer) -> threading.Thread | None:
+    """Compile ``model``'s training kernels on a background thread (its device: CUDA, with Triton);
+    returns the thread, or None where nothing is compiled."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda" or token_stats.triton is None:
+        return None
+    try:
+        head_rows = model.head_weight().shape[0]
+    except RuntimeError:  # no LM head on this rank (a pipeline stage before the last, a value model)
+        head_rows = 0
+    numel = sum(p.numel() for p in model.parameters())  # the gradient buffer's size, at most
+    thread = threading.Thread(target=_compile, args=(param.device, param.dtype, head_rows, model.shard.vocab_start,
+                                                     numel), name="shardflow-kernel-warmup", daemon=True)
+    thread.start()
+    return thread
+
+
+def _compile(device: torch.device, dtype: torch.dtype, head_rows: int, vocab_start: int, numel: int) -> None:
+    started = time.perf_counter()
+    try:
+        torch.cuda.set_device(device)  # a new thread's current device is the first one
+        if head_rows:
+            token_stats.warm_kernels(dtype, head_rows, vocab_start)
+        grad_accumulate.warm_kernels(dtype, numel)
+    except Exception as e:  # noqa: BLE001 - the launches compile what this did not
+        logger.warning(f"compiling training's kernels ahead failed (they compile at first use): "
+                       f"{type(e).__name__}: {e}")
+        return
+    logger.debug(f"training's kernels compiled ahead in {time.perf_counter() - started:.1f} s")
