@@ -30,6 +30,7 @@ from shardflow.parallel.device_memory import free_bytes
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.jit import MockTensor  # a dtype and shape standing for a tensor: warm-ups
 except ImportError:  # CPU installs: the torch path serves
     triton = None
 
@@ -189,8 +190,6 @@ def warm_kernels(dtype: torch.dtype, vocab_rows: int, vocab_start: int, rows: in
     launch them: the argument values that Triton specialises on (sizes and offsets divisible by 16
     or not) depend on the chunks' widths, not on the rows (``rows``: any micro-batch's). Returns
     the chunks warmed; each distinct specialisation compiles once (Triton's cache)."""
-    from triton.runtime.jit import MockTensor
-
     width = chunk_width(rows, vocab_rows, chunk_elements)
     chunks = range(0, vocab_rows, width)
     for lo in chunks:

@@ -24,6 +24,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.jit import MockTensor  # a dtype and shape standing for a tensor: warm-ups
 except ImportError:  # the plain path needs no Triton
     triton = None
 
@@ -123,8 +124,6 @@ def warm_kernels(dtype: torch.dtype, numel: int) -> None:
     """Compile, without launching, the kernel for the current CUDA device as it adds gradients of
     ``dtype`` into a float32 buffer of ``numel`` elements: aligned offsets, and offsets past 2**31
     where the buffer reaches them (another argument type)."""
-    from triton.runtime.jit import MockTensor
-
     for offset in (0, 1 << 31) if numel > 1 << 31 else (0,):
         _launch(functools.partial(_accumulate_kernel.warmup, grid=(1,)), MockTensor(torch.float32),
                 [MockTensor(dtype)] * MAX_SOURCES, [BLOCK] * MAX_SOURCES, [offset] * MAX_SOURCES,
