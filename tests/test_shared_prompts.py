@@ -181,6 +181,8 @@ def test_rows_hold_each_sample_and_take_each_query_from_one_row():
     assert rows.keys.index.view(-1, L)[:, 4:].eq(0).all() and rows.keys.index.view(-1, L)[3:].eq(0).all()
     # the prompt's queries ride in its first sample's row; every other query sits at its own key slot
     assert rows.query_slot.tolist() == [0, 1, 2, 3, L + 2, 2 * L]
+    # every other slot's output is dropped: backward writes it a zero gradient
+    assert sorted(rows.query_slot.tolist() + rows.dropped_slot.tolist()) == list(range(ROWS_MULTIPLE * L))
     # the keys' backward adds the prompt's second reading, not padding (which no real query sees)
     assert rows.keys.extra_slot.tolist() == [L, L + 1] and rows.keys.extra_token.tolist() == [0, 1]
     assert rows.pairs == ROWS_MULTIPLE * L * (L + 1) // 2 and seqs.pairs == 3 + 7 + 3 + 1

@@ -106,7 +106,8 @@ class Rows:
     """The sequences as rows of their key tokens for the ``rows`` kernel: ``keys`` makes the
     [R * length] row slots of k and v (padding after each row's tokens, and whole rows of it to make R
     and length multiples of ROWS_MULTIPLE and LENGTH_MULTIPLE, read token 0, seen by no real query),
-    ``queries`` the same slots of q, ``query_slot`` is the slot holding each packed token's query.
+    ``queries`` the same slots of q, ``query_slot`` is the slot holding each packed token's query,
+    ``dropped_slot`` the other slots (padding, a prompt's queries again in its other samples' rows).
     Only the query slots' outputs are kept, so only they have query gradients, and padding slots
     have no key gradients: both gathers' backwards skip the slots they know to be zero."""
 
@@ -114,6 +115,7 @@ class Rows:
     queries: Gather
     length: int
     query_slot: torch.Tensor  # [N] int64
+    dropped_slot: torch.Tensor  # [R * length - N] int64
     pairs: int  # causal (query, key) pairs the padded rows compute
 
     @classmethod
@@ -150,12 +152,15 @@ class Rows:
             at = r * length + (lk - lq if host.get(s, s) == s else 0)
             query_slot[cu_q[s]:cu_q[s] + lq] = torch.arange(at, at + lq)
         keys = Gather.build(index.flatten(), cu_q[-1], real.flatten())
-        return cls(keys, Gather.single(keys.index, query_slot), length, query_slot,
+        dropped = torch.ones(count * length, dtype=torch.bool)
+        dropped[query_slot] = False
+        return cls(keys, Gather.single(keys.index, query_slot), length, query_slot, dropped.nonzero()[:, 0],
                    count * length * (length + 1) // 2)
 
     def to(self, device: torch.device | str) -> "Rows":
         keys, query_slot = self.keys.to(device), to_device(self.query_slot, device)
-        return Rows(keys, Gather.single(keys.index, query_slot), self.length, query_slot, self.pairs)
+        return Rows(keys, Gather.single(keys.index, query_slot), self.length, query_slot,
+                    to_device(self.dropped_slot, device), self.pairs)
 
 
 @dataclass(frozen=True)
@@ -219,21 +224,23 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -
     qs, ks, vs = (g(t).unflatten(0, (-1, rows.length)).transpose(1, 2)
                   for g, t in ((rows.queries, q), (rows.keys, k), (rows.keys, v)))
     out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-    return _Select.apply(out.transpose(1, 2).flatten(0, 1), rows.query_slot)  # [R*L,h,d] -> [N,h,d]
+    return _Select.apply(out.transpose(1, 2).flatten(0, 1), rows.query_slot, rows.dropped_slot)  # -> [N,h,d]
 
 
 class _Select(torch.autograd.Function):
-    """``x[slots]`` for distinct ``slots``: backward writes each gradient to its slot (a copy,
-    where ``index_select``'s backward adds with atomics)."""
+    """``x[slots]`` for distinct ``slots``, the other rows of x being ``dropped``: backward writes
+    each gradient to its slot and zeros to the dropped rows (two writes of each row at most, where
+    ``index_select``'s backward adds into zeros with atomics)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        ctx.rows, ctx.slots = x.shape[0], slots
+    def forward(ctx, x: torch.Tensor, slots: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+        ctx.rows, ctx.slots, ctx.dropped = x.shape[0], slots, dropped
         return x.index_select(0, slots)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_copy_(0, ctx.slots, grad), None
+        out = grad.new_empty(ctx.rows, *grad.shape[1:]).index_copy_(0, ctx.slots, grad)
+        return out.index_fill_(0, ctx.dropped, 0), None, None
 
 
 @lru_cache(maxsize=None)
