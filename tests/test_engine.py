@@ -11,7 +11,8 @@ from shardflow.config.model import ModelConfig
 from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
 from shardflow.engine.generate.kv_cache import KVCache, bytes_per_slot
 from shardflow.engine.generate.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
-from shardflow.engine.generate.steps import decode_finish, decode_layer, decode_start
+from shardflow.engine.generate.sampling import pick
+from shardflow.engine.generate.steps import decode_end, decode_layer, decode_start
 from shardflow.models.transformer import build_model
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for
@@ -259,9 +260,9 @@ def test_compiled_decode_layer_matches_transformers_and_compiles_once_for_all_la
     requests = engine.generate(make_requests([prompt], SamplingParams(max_new_tokens=6, **GREEDY), 3))
     assert all(r.output_ids == expected for r in requests)
     # one batch size: one graph of one layer (the whole stack or a graph per layer would differ),
-    # one of the step's start, one of its head and sampler; no breaks
-    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
+    # one of the step's start, one of its end, one of the sampler's pick; no breaks
+    assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
-    for fn in (decode_layer, decode_start, decode_finish):
+    for fn in (decode_layer, decode_start, decode_end, pick):
         assert len(_debug_get_cache_entry_list(fn.__code__)) == 1, fn.__name__
     torch._dynamo.reset()

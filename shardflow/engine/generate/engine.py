@@ -59,11 +59,11 @@ from shardflow.engine.generate.decode_attention import ATTENTION
 from shardflow.engine.generate.decode_weights import decode_weights_layout, drop_decode_weights, make_decode_weights
 from shardflow.engine.generate.kv_cache import KVCache, bytes_per_slot, check_block_size
 from shardflow.engine.generate.requests import Request
-from shardflow.engine.generate.sampling import SamplingTensors, batch_mode, sample
+from shardflow.engine.generate.sampling import SamplingTensors, batch_mode, pick, sample
 from shardflow.engine.generate.steps import (
-    decode_finish,
+    decode_end,
     decode_layer,
-    decode_layers,
+    decode_logits,
     decode_start,
     extend_cache,
     prefill_logits,
@@ -167,15 +167,16 @@ class GenerationEngine:
             raise ValueError(f"blas_library {config.blas_library!r} needs a CUDA device; the model is on {self.device}")
         # Compiled layer by layer: one layer's code serves all of them (tracing and compiling the
         # whole unrolled stack took most of a first iteration); the step's work before and after
-        # its layers (embedding, rotary tables, block lookups; the final norm, the head and the
-        # sampler) compiles apart, as two graphs of a few kernels each instead of about thirty
-        # small ones.
+        # its layers (embedding, rotary tables, block lookups; the final norm and head; the
+        # sampler's pick among its candidates) compiles apart, each into a few kernels instead of
+        # a dozen small ones.
         def compiled(fn, what):
             return compiled_or_eager(fn, what, mode=config.compile_mode) if config.compile else fn
 
         self._layer_fn = compiled(decode_layer, "the decode layer")
         self._start_fn = compiled(decode_start, "the decode step's start")
-        self._finish_fn = compiled(decode_finish, "the decode step's head and sampler")
+        self._end_fn = compiled(decode_end, "the decode step's end")
+        self._pick_fn = compiled(pick, "the sampler's pick")
         self._step_fn = with_blas_library(self._step, config.blas_library)
         self.stats = GenerationStats()
         self.waiting: deque[list[Request]] = deque()  # prefill units waiting for free slots
@@ -290,10 +291,11 @@ class GenerationEngine:
         # On the CPU a host read waits for no device, and no graph or compiled layer needs fixed
         # shapes: eager CPU steps hand attention only the cache the rows reach.
         span = int(positions.max()) + 1 if self.device.type == "cpu" and not self.config.compile else None
-        h, pending = decode_layers(self.model, self.cache, self.attention, tokens, positions, slots, prompts,
-                                   layer_fn=self._layer_fn, span=span, start_fn=self._start_fn)
+        logits = decode_logits(self.model, self.cache, self.attention, tokens, positions, slots, prompts,
+                               layer_fn=self._layer_fn, span=span, start_fn=self._start_fn, end_fn=self._end_fn)
         st = SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds, position=positions + 1)
-        return self._finish_fn(self.model, h, pending, st, mode=mode)
+        return sample(logits, st, vocab_start=self.model.shard.vocab_start, vocab_size=self.model.cfg.vocab_size,
+                      group=self.model.tp_group, mode=mode, pick_fn=self._pick_fn)
 
     # ----- the loop ------------------------------------------------------------------------------
 

@@ -165,22 +165,22 @@ def pick(candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, *, vocab_start: int, vocab_size: int,
-           group: ProcessGroup | None, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+           group: ProcessGroup | None, mode: str, pick_fn=pick) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from this rank's logits [B, V_local] (padding columns at -inf).
 
     Returns (tokens [B] int64, log-probabilities [B] float32), identical on every tp rank.
     Collectives: GREEDY/SAMPLE one all-gather of [C, B, 5] candidates (C vocabulary chunks per
     rank: 1 in torch, the Triton kernel's on GPUs; gathered in rank order, so the chunks stay in
-    vocabulary order); FILTER one of the logits.
+    vocabulary order); FILTER one of the logits. ``pick_fn``: ``pick`` or a compiled version of it.
     """
     if mode != FILTER and logits.is_cuda and sampling_kernel.triton is not None:  # one pass over the logits
         mine = sampling_kernel.sample_candidates_op(logits, st.temperature, st.seed, st.position, vocab_start,
                                                     mode == SAMPLE)
-        return pick(comm.all_gather(mine, group, dim=0))
+        return pick_fn(comm.all_gather(mine, group, dim=0))
     z = scaled_logits(logits, st.temperature)  # [B, V_local]
     if mode != FILTER:
         mine = local_candidates(z, st, vocab_start, mode)[None]  # [1, B, 5]
-        return pick(comm.all_gather(mine, group, dim=0))
+        return pick_fn(comm.all_gather(mine, group, dim=0))
     z = comm.all_gather(z, group, dim=-1)[:, :vocab_size]  # [B, V]: the full vocabulary
     lse = torch.logsumexp(z, dim=-1)
     keep = truncation_mask(z, st.top_k, st.top_p)

@@ -6,15 +6,13 @@
 - ``extend_cache``: the next tokens of requests whose slots already hold a history (an episode's
   observation after its turn): their keys and values go into the slots after the history, and
   they attend over history and themselves.
-- ``decode_layers``: one new token per request; its key and value go into the slot at its
+- ``decode_logits``: one new token per request; its key and value go into the slot at its
   position, then it attends over the slot's valid positions (through its blocks when the cache
-  is paged). ``decode_start``, then layer by layer through ``decode_layer``, then
-  ``decode_finish`` (the head and the sampler); the engine compiles the three (one layer's code
-  for all of them).
+  is paged). ``decode_start``, then layer by layer through ``decode_layer``, then ``decode_end``;
+  the engine compiles the three (one layer's code for all of them).
 
-The prefill passes return this rank's vocabulary slice of the logits; the model's own tp
-collectives (two all-reduces per layer and one for the embedding) and the sampler's are the only
-communication.
+Both return this rank's vocabulary slice of the logits; the model's own tp collectives (two
+all-reduces per layer and one for the embedding) are the only communication.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from shardflow.engine.generate.kv_cache import KVCache, write_kv
-from shardflow.engine.generate.sampling import SamplingTensors, sample
 from shardflow.models.transformer import DecoderLayer, Transformer, causal_attention
 
 # attention(q [B,H,d], k_cache, v_cache, blocks [B] or [B,n], lengths [B], window, prompts) -> [B,H,d]
@@ -120,28 +117,23 @@ def decode_start(model: Transformer, cache: KVCache, tokens: torch.Tensor, posit
     return h, torch.zeros_like(h), cos, sin, blocks, at, positions + 1
 
 
-def decode_finish(model: Transformer, h: torch.Tensor, pending: torch.Tensor, st: SamplingTensors, *,
-                  mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_end(model: Transformer, h: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
     """A decode step after its layers: the last layer's residual stream h and MLP output
-    ``pending`` [B,1,H] -> the next tokens [B] and their log-probabilities [B] (the final norm, the
-    head, then the sampler: ``sampling.sample``). One function, so that the engine compiles the
-    head and the sampler's pick among its candidates as one graph (each graph costs its own
-    compilation in a run's first step)."""
-    logits = model.logits(model.model.norm(h + pending)[:, 0])
-    return sample(logits, st, vocab_start=model.shard.vocab_start, vocab_size=model.cfg.vocab_size,
-                  group=model.tp_group, mode=mode)
+    ``pending`` [B,1,H] -> logits [B, V_local] (the final norm and the head)."""
+    return model.logits(model.model.norm(h + pending)[:, 0])
 
 
-def decode_layers(model: Transformer, cache: KVCache, attention: DecodeAttention, tokens: torch.Tensor,
+def decode_logits(model: Transformer, cache: KVCache, attention: DecodeAttention, tokens: torch.Tensor,
                   positions: torch.Tensor, slots: torch.Tensor,
                   prompts: tuple[torch.Tensor, torch.Tensor] | None = None,
                   layer_fn: Callable[..., torch.Tensor] = decode_layer, span: int | None = None,
-                  start_fn: Callable[..., tuple[torch.Tensor, ...]] = decode_start) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens, positions, slots [B] -> the last layer's residual stream h and MLP output
-    ``pending`` [B,1,H] (``decode_finish`` takes them on). ``prompts``: the
+                  start_fn: Callable[..., tuple[torch.Tensor, ...]] = decode_start,
+                  end_fn: Callable[..., torch.Tensor] = decode_end) -> torch.Tensor:
+    """tokens, positions, slots [B] -> logits [B, V_local] of the next token. ``prompts``: the
     rows' shared-prompt groups and prompt lengths (see ``decode_attention``), or None;
-    ``layer_fn``, ``start_fn``: ``decode_layer`` and ``decode_start`` or compiled versions of them;
-    ``span``: a host bound on every row's length after this step, or None.
+    ``layer_fn``, ``start_fn``, ``end_fn``: ``decode_layer``, ``decode_start`` and ``decode_end``
+    or compiled versions of them; ``span``: a host bound on every row's length after this step,
+    or None.
 
     Without ``span`` it has no host synchronisation and no data-dependent shapes, so it can be
     captured in a CUDA graph. With it, attention is handed only the blocks (or, one block per row,
@@ -159,4 +151,4 @@ def decode_layers(model: Transformer, cache: KVCache, attention: DecodeAttention
             k, v = k[:, :, :upto], v[:, :, :upto]
         h, pending = layer_fn(layer, h, pending, cos, sin, k, v, attention, at, blocks, lengths, windows[int(index)],
                               prompts)
-    return h, pending
+    return end_fn(model, h, pending)
