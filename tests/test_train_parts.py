@@ -241,16 +241,3 @@ def test_bad_step_input_is_named(checkpoints):
     with pytest.raises(ValueError, match="loss normalizer summed over replicas is 0.0"):
         engine.step(no_response, TokenLoss(), micro_batch_tokens=64)
     assert engine.step_count == 0
-
-
-def test_kernel_warmup_starts_nothing_off_cuda_and_contains_its_failures(checkpoints, caplog):
-    """Training's kernels compile ahead only on CUDA devices; a failure of that compilation is
-    logged and raises nothing (the launches compile what it did not)."""
-    from shardflow.engine.train import kernel_warmup
-
-    model, _ = load_model(checkpoints.get("llama", "llama"), Layout((0,)),
-                          World(rank=0, size=1, device=torch.device("cpu"), backend="gloo"))
-    assert kernel_warmup.start(model) is None
-    with caplog.at_level("WARNING"):
-        kernel_warmup._compile(torch.device("cpu"), torch.bfloat16, 64, 0, 1000)  # no CUDA device to set
-    assert "compiling training's kernels ahead failed" in caplog.text

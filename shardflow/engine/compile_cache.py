@@ -13,14 +13,19 @@ processes that never compile (CPU ranks, tools) do not load it.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from shardflow.models.transformer import TRIAL_TOKENS
+
+logger = logging.getLogger(__name__)
 
 
 def use_compile_cache(directory: str) -> Path | None:
@@ -79,7 +84,7 @@ def kernel_compile_seconds() -> float:
     """Seconds the calling thread has spent compiling shardflow's own Triton kernels (decode
     attention, the sampler, the head's statistics, gradient accumulation) at their first launch
     with each specialisation, by Triton's compilation listener; cache hits cost nothing here, and
-    compilations ahead of time on other threads (``engine.train.kernel_warmup``) are theirs. Not in
+    compilations ahead of time on other threads (``compile_ahead``) are theirs. Not in
     ``compile_seconds`` (dynamo does not see them), and not inductor's kernels (those are). Listens
     from its first call on (again if another listener took its place, which it then calls too);
     0.0 where Triton is not loaded or has no listener."""
@@ -101,3 +106,24 @@ def _counting_listener(before):
 
     listen._shardflow = True
     return listen
+
+
+def compile_ahead(device: torch.device, what: str, compile_fn: Callable[[], object]) -> threading.Thread:
+    """Run ``compile_fn`` (Triton warm-ups of shardflow's kernels: compilation without launches)
+    on a thread of its own, ``device`` its current CUDA device, while the caller goes on (loading,
+    tracing: the host's threads mostly wait there). A kernel it has compiled costs its first
+    launch nothing more; one it has not (another specialisation) compiles there, as it would have.
+    A failure is logged as ``what`` and raises nothing: the launches compile what it did not."""
+    def run() -> None:
+        started = time.perf_counter()
+        try:
+            torch.cuda.set_device(device)  # a new thread's current device is the first one
+            compile_fn()
+        except Exception as e:  # noqa: BLE001 - the launches compile what this did not
+            logger.warning(f"compiling {what} ahead failed (they compile at first use): {type(e).__name__}: {e}")
+            return
+        logger.debug(f"{what} compiled ahead in {time.perf_counter() - started:.1f} s")
+
+    thread = threading.Thread(target=run, name="shardflow-compile-ahead", daemon=True)
+    thread.start()
+    return thread

@@ -46,11 +46,12 @@ from shardflow.runtime import checkpointing
 from shardflow.runtime.calls import CALL_KINDS
 from shardflow.runtime.calls.context import CallContext, CallReport, RunState, Sampling
 from shardflow.runtime.calls.data import Held, communication_groups, is_holder, join, push_outputs, source_share
+from shardflow.runtime.calls.generate import compile_kernels_ahead
 from shardflow.runtime.calls.rollouts import start_workers, uses_workers
 from shardflow.runtime.evaluation import evaluate
 from shardflow.runtime.loggers import config_sinks
 from shardflow.runtime.metrics import MetricsLogger
-from shardflow.runtime.models import ModelSlot
+from shardflow.runtime.models import ModelSlot, compute_dtype
 from shardflow.runtime.pictures import draw_generation, draw_timeline
 from shardflow.runtime.report import merge_reports
 from shardflow.runtime.validate import Prepared
@@ -108,12 +109,17 @@ class Run:
         self.start_iteration = 0
 
         resume_dir = prepared.resume_dir
+        specs = {role: model_spec(config, role, resume_dir, self.graph.train_call(role) is not None)
+                 for role in self.graph.models()}
+        for call in self.graph.calls:  # while the models load and compile below
+            if call.kind is Kind.GENERATE and world.rank in self.plan[call.name].layout:
+                compile_kernels_ahead(config, self.plan[call.name].layout, prepared.models[call.model], world,
+                                      compute_dtype(specs[call.model], world.device), greedy=call.greedy)
         self.slots: dict[str, ModelSlot] = {}
-        for role in self.graph.models():
-            train = self.graph.train_call(role)
+        for role, spec in specs.items():
             home = self.plan[self.graph.home_call(role).name].layout
-            spec = model_spec(config, role, resume_dir, train is not None)
-            self.slots[role] = ModelSlot.load(world, role, spec, prepared.models[role], home, trained=train is not None)
+            self.slots[role] = ModelSlot.load(world, role, spec, prepared.models[role], home,
+                                              trained=self.graph.train_call(role) is not None)
         if resume_dir is not None:
             self._restore(resume_dir)
         self.setup_seconds = time.time() - started  # reported with the first iteration

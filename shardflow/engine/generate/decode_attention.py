@@ -23,7 +23,9 @@ per row, d head dim.
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -275,6 +277,37 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``splits`` overrides ``num_splits``."""
     if triton is None:
         raise RuntimeError("the Triton decode attention needs the triton package")
+    return _run(lambda kernel, grid: kernel[grid], q.device, q, k_cache, v_cache, blocks, lengths, window, prompts,
+                block=block, programs_per_sm=programs_per_sm, num_warps=num_warps, num_stages=num_stages,
+                splits=splits)
+
+
+def warm_kernels(device: torch.device, dtype: torch.dtype, *, batch: int, heads: int, kv_heads: int, head_dim: int,
+                 block_size: int, blocks_per_row: int, windows: Sequence[int | None], shared: bool) -> None:
+    """Compile, without launching, the kernels that a decode step of ``batch`` rows launches on
+    ``device`` over a cache of blocks of ``block_size`` positions, ``blocks_per_row`` a row (1: a
+    contiguous cache, whose block is the row's slot), for each layer's ``window`` and, where
+    ``shared``, with prompt-KV sharing: ``_run`` computes the launches' arguments as for a step,
+    from tensors on the meta device, which have the step's dtypes, shapes and strides (what Triton
+    specialises on) and no memory."""
+    meta = torch.device("meta")
+    q = torch.empty(batch, heads, head_dim, dtype=dtype, device=meta)
+    cache = torch.empty(1, kv_heads, block_size, head_dim, dtype=dtype, device=meta)
+    blocks = torch.empty(batch, *([blocks_per_row] if blocks_per_row > 1 else []), dtype=torch.int64, device=meta)
+    lengths = torch.empty(batch, dtype=torch.int64, device=meta)
+
+    def warm(kernel, grid):
+        return functools.partial(kernel.warmup, grid=grid)
+
+    for window in dict.fromkeys(windows):
+        _run(warm, device, q, cache, cache, blocks, lengths, window, (lengths, lengths) if shared else None)
+
+
+def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, window, prompts, *, block: int = BLOCK_N,
+         programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+         splits: int | None = None) -> torch.Tensor:
+    """The kernels' launches: ``launch(kernel, grid)`` -> a callable taking the kernel's
+    arguments (``kernel[grid]``, or a warm-up); ``device`` is the one they run on."""
     q = q.contiguous()  # a no-op for the model's q; a compiled graph may lay it out otherwise
     B, H, d = q.shape
     _, K, N, _ = k_cache.shape
@@ -282,7 +315,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert H % K == 0 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and blocks.stride(1) == 1
     group, paged = H // K, blocks.shape[1] > 1
     tile_in_block = paged and N % block == 0
-    splits = splits or num_splits(B, K, N * blocks.shape[1], q.device, programs_per_sm, block)
+    splits = splits or num_splits(B, K, N * blocks.shape[1], device, programs_per_sm, block)
     out = torch.empty(B, H, d, dtype=q.dtype, device=q.device)
     parts = splits if splits > 1 else 0  # one split writes ``out`` directly: no partial results
     acc = torch.empty(B, H, parts, d, dtype=torch.float32, device=q.device)
@@ -292,7 +325,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # fp32 caches (tests, parity checks) take exact fp32 products, not TF32. Triton's CPU
     # interpreter cannot multiply bf16 tiles, so there they are upcast to fp32 first.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    upcast = q.device.type != "cuda"
+    upcast = device.type != "cuda"
     strides_qkv = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                    v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), blocks.stride(0), N)
     scale_log2 = (1.0 / math.sqrt(d)) * math.log2(math.e)
@@ -302,14 +335,14 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     prompt_max = torch.empty(B, H, dtype=torch.float32, device=q.device) if shared else row_max
     prompt_sum = torch.empty_like(prompt_max) if shared else row_sum
     if shared:
-        _prompt_kernel[(triton.cdiv(B, PROMPT_ROWS), K)](
+        launch(_prompt_kernel, (triton.cdiv(B, PROMPT_ROWS), K))(
             q, k_cache, v_cache, blocks, groups, prompt, prompt_acc, prompt_max, prompt_sum, B, *strides_qkv,
             prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0), scale_log2,
             GROUP=group, HEAD_DIM=d, ROWS=PROMPT_ROWS, BLOCK_Q=max(16, triton.next_power_of_2(PROMPT_ROWS * group)),
             BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, PAGED=paged,
             TILE_IN_BLOCK=tile_in_block, num_warps=num_warps, num_stages=num_stages,
         )
-    _split_kernel[(B, K, splits)](
+    launch(_split_kernel, (B, K, splits))(
         q, k_cache, v_cache, blocks, lengths, acc, row_max, row_sum, out, prompt, prompt_acc, prompt_max, prompt_sum,
         *strides_qkv, acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0), row_max.stride(1),
         out.stride(0), out.stride(1), prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0),
@@ -320,7 +353,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     )
     if splits == 1:
         return out
-    _merge_kernel[(B, H)](
+    launch(_merge_kernel, (B, H))(
         acc, row_max, row_sum, out, acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0),
         row_max.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=d, SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d, num_warps=4,

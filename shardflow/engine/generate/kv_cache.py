@@ -44,6 +44,14 @@ def bytes_per_slot(shard: RankShard, cfg: ModelConfig, max_len: int, dtype: torc
     return bytes_per_position(shard, cfg, dtype) * max_len
 
 
+def block_layout(max_len: int, block_size: int | None) -> tuple[int, int]:
+    """(positions per block, blocks per slot) of ``KVCache.for_model``'s cache: paged where
+    ``block_size`` is set and under ``max_len``, else one contiguous block of ``max_len`` per slot."""
+    if block_size is not None and block_size < max_len:
+        return block_size, math.ceil(max_len / block_size)
+    return max_len, 1
+
+
 def check_block_size(block_size: int | None) -> None:
     if block_size is not None and (block_size < KV_BLOCK_MULTIPLE or block_size % KV_BLOCK_MULTIPLE):
         raise ValueError(f"kv_block_size must be a positive multiple of {KV_BLOCK_MULTIPLE} tokens (or None for one "
@@ -112,8 +120,8 @@ class KVCache:
         per_position = bytes_per_position(shard, cfg, dtype)
         common = dict(layers=shard.layers, num_kv_heads=shard.num_kv_heads, max_len=max_len,
                       head_dim=cfg.head_dim, dtype=dtype, device=device)
-        if block_size is not None and block_size < max_len:
-            per_slot = math.ceil(max_len / block_size)
+        positions, per_slot = block_layout(max_len, block_size)
+        if positions < max_len:  # paged
             blocks = min(max_slots * per_slot, budget_bytes // (per_position * block_size) - 1)
             if blocks < per_slot:
                 raise ValueError(

@@ -19,6 +19,8 @@ step treats it as one call. Tested on CPU with ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -135,11 +137,31 @@ def candidates_triton(logits: torch.Tensor, temperature: torch.Tensor, seed: tor
     options are the kernel's tuning knobs."""
     if triton is None:
         raise RuntimeError("the Triton sampler needs the triton package")
+    return _run(lambda kernel, grid: kernel[grid], logits.device, logits, temperature, seed, position, vocab_start,
+                sample, block=block, programs_per_sm=programs_per_sm, num_warps=num_warps)
+
+
+def warm_kernels(device: torch.device, dtype: torch.dtype, *, batch: int, vocab: int, vocab_start: int,
+                 sample: bool) -> None:
+    """Compile, without launching, the kernel that ``candidates_triton`` launches on ``device``
+    for ``batch`` rows of ``vocab`` local logits in ``dtype`` (``_run``'s arguments computed from
+    tensors on the meta device: the step's dtypes, shapes and strides, no memory)."""
+    meta = torch.device("meta")
+    rows = torch.empty(batch, dtype=torch.int64, device=meta)
+    _run(lambda kernel, grid: functools.partial(kernel.warmup, grid=grid), device,
+         torch.empty(batch, vocab, dtype=dtype, device=meta), torch.empty(batch, dtype=torch.float32, device=meta),
+         rows, rows, vocab_start, sample)
+
+
+def _run(launch, device: torch.device, logits, temperature, seed, position, vocab_start: int, sample: bool, *,
+         block: int = BLOCK_V, programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """The kernel's launch: ``launch(kernel, grid)`` -> a callable taking its arguments
+    (``kernel[grid]``, or a warm-up); ``device`` is the one it runs on."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     B, V = logits.shape
-    chunks, chunk = num_chunks(B, V, logits.device, programs_per_sm, block)
+    chunks, chunk = num_chunks(B, V, device, programs_per_sm, block)
     out = torch.empty(chunks, B, 5, dtype=torch.float64, device=logits.device)
-    _candidates_kernel[(B, chunks)](
+    launch(_candidates_kernel, (B, chunks))(
         logits, temperature.contiguous(), seed.contiguous(), position.contiguous(), out,
         logits.stride(0), out.stride(0), V, vocab_start, chunk, SAMPLE=sample, BLOCK=block, num_warps=num_warps,
     )

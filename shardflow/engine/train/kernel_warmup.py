@@ -12,17 +12,13 @@ nothing else.
 
 from __future__ import annotations
 
-import logging
+import functools
 import threading
-import time
 
-import torch
-
+from shardflow.engine.compile_cache import compile_ahead
 from shardflow.engine.train import grad_accumulate
 from shardflow.models import token_stats
 from shardflow.models.transformer import Transformer
-
-logger = logging.getLogger(__name__)
 
 
 def start(model: Transformer) -> threading.Thread | None:
@@ -36,21 +32,13 @@ def start(model: Transformer) -> threading.Thread | None:
     except RuntimeError:  # no LM head on this rank (a pipeline stage before the last, a value model)
         head_rows = 0
     numel = sum(p.numel() for p in model.parameters())  # the gradient buffer's size, at most
-    thread = threading.Thread(target=_compile, args=(param.device, param.dtype, head_rows, model.shard.vocab_start,
-                                                     numel), name="shardflow-kernel-warmup", daemon=True)
-    thread.start()
-    return thread
+    return compile_ahead(param.device, "training's kernels",
+                         functools.partial(compile_kernels, param.dtype, head_rows, model.shard.vocab_start, numel))
 
 
-def _compile(device: torch.device, dtype: torch.dtype, head_rows: int, vocab_start: int, numel: int) -> None:
-    started = time.perf_counter()
-    try:
-        torch.cuda.set_device(device)  # a new thread's current device is the first one
-        if head_rows:
-            token_stats.warm_kernels(dtype, head_rows, vocab_start)
-        grad_accumulate.warm_kernels(dtype, numel)
-    except Exception as e:  # noqa: BLE001 - the launches compile what this did not
-        logger.warning(f"compiling training's kernels ahead failed (they compile at first use): "
-                       f"{type(e).__name__}: {e}")
-        return
-    logger.debug(f"training's kernels compiled ahead in {time.perf_counter() - started:.1f} s")
+def compile_kernels(dtype, head_rows: int, vocab_start: int, numel: int) -> None:
+    """The warm-ups, on the current CUDA device: the head's kernels over ``head_rows`` local
+    vocabulary rows (none: no head here), the accumulation into a buffer of ``numel`` elements."""
+    if head_rows:
+        token_stats.warm_kernels(dtype, head_rows, vocab_start)
+    grad_accumulate.warm_kernels(dtype, numel)

@@ -19,15 +19,19 @@ from typing import Any, Sequence
 import torch
 
 from shardflow.config.experiment import AdaptiveConfig, ExperimentConfig
+from shardflow.config.model import ModelConfig
 from shardflow.data.batch import SequenceBatch
 from shardflow.data.prompts import Prompt
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
 from shardflow.engine.generate.engine import EngineConfig, GenerationEngine, GenerationStats
+from shardflow.engine.generate import kernel_warmup
 from shardflow.engine.generate.episodes import Episodes, run_episodes
 from shardflow.engine.generate.replicas import replica_share
 from shardflow.engine.generate.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
+from shardflow.engine.generate.sampling import batch_mode
 from shardflow.models.transformer import Transformer
 from shardflow.parallel.layout import Layout
+from shardflow.parallel.sharding import shard_for
 from shardflow.parallel.world import World
 from shardflow.perf.step_time import load_step_times
 from shardflow.runtime.calls.context import CallContext, Sampling
@@ -51,6 +55,19 @@ def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int, de
         share_prompt_kv=gen.share_prompt_kv,
         kv_block_size=gen.kv_block_size or None,
     )
+
+
+def compile_kernels_ahead(config: ExperimentConfig, layout: Layout, cfg: ModelConfig, world: World,
+                          dtype: torch.dtype, *, greedy: bool) -> None:
+    """Start compiling, in the background, the Triton kernels that this rank's first decode step
+    of a generate call in ``layout`` (``greedy``: the call's ``greedy``) will launch
+    (``engine.generate.kernel_warmup``), while the run sets up; its engine is built from the same
+    settings at the call's first run."""
+    gen = config.generation
+    kernel_warmup.start(world.device, dtype, cfg, shard_for(cfg, layout, world.rank),
+                        engine_config(config, layout, config.algorithm.batch_size, world.device),
+                        mode=batch_mode([0.0 if greedy else gen.temperature], [gen.top_k], [gen.top_p]),
+                        shared_prompts=gen.samples_per_prompt > 1)
 
 
 def generation_requests(config: ExperimentConfig, prompts: list[Prompt], iteration: int, *,
