@@ -68,5 +68,5 @@ def test_nothing_compiles_ahead_off_cuda_and_a_failure_is_contained(checkpoints,
     assert kernel_warmup.start(torch.device("cpu"), torch.float32, model.cfg, model.shard, EngineConfig(),
                                mode=SAMPLE, shared_prompts=True) is None
     with caplog.at_level("WARNING"):
-        compile_ahead(torch.device("cpu"), "the test's kernels", lambda: None).join()  # no CUDA device to set
+        compile_ahead(torch.device("cpu"), "the test's kernels", lambda: None).result()  # no CUDA device to set
     assert "compiling the test's kernels ahead failed" in caplog.text

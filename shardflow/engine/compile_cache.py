@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -108,12 +109,13 @@ def _counting_listener(before):
     return listen
 
 
-def compile_ahead(device: torch.device, what: str, compile_fn: Callable[[], object]) -> threading.Thread:
+def compile_ahead(device: torch.device, what: str, compile_fn: Callable[[], object]) -> Future:
     """Run ``compile_fn`` (Triton warm-ups of shardflow's kernels: compilation without launches)
-    on a thread of its own, ``device`` its current CUDA device, while the caller goes on (loading,
-    tracing: the host's threads mostly wait there). A kernel it has compiled costs its first
-    launch nothing more; one it has not (another specialisation) compiles there, as it would have.
-    A failure is logged as ``what`` and raises nothing: the launches compile what it did not."""
+    on the process's one compile-ahead thread (jobs in turn, never two Triton compilations of
+    ours at once), ``device`` its current CUDA device, while the caller goes on (loading, tracing:
+    the host's threads mostly wait there). A kernel it has compiled costs its first launch nothing
+    more; one it has not (another specialisation) compiles there, as it would have. A failure is
+    logged as ``what`` and raises nothing: the launches compile what it did not."""
     def run() -> None:
         started = time.perf_counter()
         try:
@@ -124,6 +126,10 @@ def compile_ahead(device: torch.device, what: str, compile_fn: Callable[[], obje
             return
         logger.debug(f"{what} compiled ahead in {time.perf_counter() - started:.1f} s")
 
-    thread = threading.Thread(target=run, name="shardflow-compile-ahead", daemon=True)
-    thread.start()
-    return thread
+    global _ahead
+    if _ahead is None:
+        _ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardflow-compile-ahead")
+    return _ahead.submit(run)
+
+
+_ahead: ThreadPoolExecutor | None = None

@@ -3,14 +3,14 @@
 Decode attention's kernels (``decode_attention``) and the sampler's (``sampling_kernel``) compile
 at their first launch inside the first decode step: about 1-1.6 s of a cold first generate call
 on an H100, while the run's setup (loading, the training layers' trial compilation) leaves the
-host's threads mostly waiting. ``start`` compiles them on a thread of their own for the step that
+host's threads mostly waiting. ``start`` compiles them in the background for the step that
 the engine will run first (the largest batch, the run's sampling mode, prompt-KV sharing as the
 run's samples ask); other batches and modes compile at their first launch, as before.
 """
 
 from __future__ import annotations
 
-import threading
+from concurrent.futures import Future
 
 import torch
 
@@ -24,11 +24,11 @@ from shardflow.parallel.sharding import RankShard
 
 
 def start(device: torch.device, dtype: torch.dtype, cfg: ModelConfig, shard: RankShard, config: EngineConfig, *,
-          mode: str, shared_prompts: bool) -> threading.Thread | None:
-    """Compile on a background thread the kernels of an engine with ``config`` on this rank's
+          mode: str, shared_prompts: bool) -> Future | None:
+    """Compile in the background (``compile_ahead``) the kernels of an engine with ``config`` on this rank's
     ``shard`` (its device: CUDA, with Triton; the Triton attention), for batches in sampling
     ``mode``, with prompt-KV sharing where ``shared_prompts`` (samples of one prompt decoded
-    together); returns the thread, or None where nothing is compiled."""
+    together); returns the job, or None where nothing is compiled."""
     if device.type != "cuda" or decode_attention.triton is None or config.attention == "torch":
         return None
     return compile_ahead(device, "the decode step's kernels",

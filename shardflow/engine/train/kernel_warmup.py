@@ -1,19 +1,19 @@
 """Training's own Triton kernels compiled ahead, in the background, while the run sets up.
 
-The head's statistics and gradient kernels (``models.token_stats``) and the gradient
-accumulation (``engine.train.grad_accumulate``) compile at their first launch: about 4 s of a
-cold first training call on an H100, on the training's critical path, while the run's setup
-(loading, the layers' trial compilation) and its first generation leave the host's threads
-mostly waiting. ``start`` compiles them on a thread of their own for the specialisations that
-training will launch; a launch that finds its variant compiled costs nothing more, one that does
-not (another specialisation) compiles as it did before. A failure here is logged and costs
-nothing else.
+The head's statistics and gradient kernels (``models.token_stats``) and the gradient accumulation
+(``engine.train.grad_accumulate``) compile at their first launch: about 4 s of a cold first
+training call on an H100, on the training's critical path, while the run's setup (loading, the
+layers' trial compilation) and its first generation leave the host's threads mostly waiting.
+``start`` compiles them in the background (``engine.compile_cache.compile_ahead``) for the
+specialisations that training will launch; a launch that finds its variant compiled costs nothing
+more, one that does not (another specialisation) compiles as it did before. A failure here is
+logged and costs nothing else.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
+from concurrent.futures import Future
 
 from shardflow.engine.compile_cache import compile_ahead
 from shardflow.engine.train import grad_accumulate
@@ -21,9 +21,9 @@ from shardflow.models import token_stats
 from shardflow.models.transformer import Transformer
 
 
-def start(model: Transformer) -> threading.Thread | None:
-    """Compile ``model``'s training kernels on a background thread (its device: CUDA, with Triton);
-    returns the thread, or None where nothing is compiled."""
+def start(model: Transformer) -> Future | None:
+    """Compile ``model``'s training kernels in the background (``compile_ahead``; its device: CUDA,
+    with Triton); returns the job, or None where nothing is compiled."""
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cuda" or token_stats.triton is None:
         return None
