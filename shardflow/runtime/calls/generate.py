@@ -23,8 +23,8 @@ from shardflow.config.model import ModelConfig
 from shardflow.data.batch import SequenceBatch
 from shardflow.data.prompts import Prompt
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
-from shardflow.engine.generate.engine import EngineConfig, GenerationEngine, GenerationStats
 from shardflow.engine.generate import kernel_warmup
+from shardflow.engine.generate.engine import EngineConfig, GenerationEngine, GenerationStats
 from shardflow.engine.generate.episodes import Episodes, run_episodes
 from shardflow.engine.generate.replicas import replica_share
 from shardflow.engine.generate.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
