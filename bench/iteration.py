@@ -191,12 +191,16 @@ def rooflines(shape: dict, workload: dict, bandwidth: float, flops: float) -> di
 # ----- runs -----------------------------------------------------------------------------------------
 
 
-def run_shardflow(work: Path, workload: dict, iterations: int, overrides: list[str], with_ref: bool) -> dict:
+def run_shardflow(work: Path, workload: dict, iterations: int, overrides: list[str], with_ref: bool,
+                  stacks: Path | None = None) -> dict:
+    """``stacks``: where the run's stack samples go (``bench/stack_sampler.py``), if anywhere."""
     out = work / "shardflow-run"
     config = shardflow_config(work, workload, iterations, out, with_ref)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    sampler = [str(ROOT / "bench" / "stack_sampler.py"), "--out", str(stacks)] if stacks is not None else []
     start, started_at = time.perf_counter(), time.time()
-    subprocess.run([sys.executable, "-m", "shardflow.cli.main", "train", str(config), *overrides], check=True, env=env)
+    subprocess.run([sys.executable, *sampler, "-m", "shardflow.cli.main", "train", str(config), *overrides],
+                   check=True, env=env)
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first_end = rows[0]["time"] - started_at  # from the command to iteration 1's metrics
@@ -286,6 +290,9 @@ def main() -> None:
     parser.add_argument("--cold-and-warm", action="store_true",
                         help="run shardflow twice on one new compile cache: first empty (cold), then warm; the warm "
                              "run is the one compared")
+    parser.add_argument("--sample-stacks", action="store_true",
+                        help="sample shardflow's stacks every 10 ms (bench/stack_sampler.py): stacks-cold.json and "
+                             "stacks.json in --out")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--trl-steps", type=int, default=3)
     parser.add_argument("--skip-trl", action="store_true")
@@ -317,8 +324,10 @@ def main() -> None:
         overrides = list(args.set)
         if args.cold_and_warm:  # both runs on one new cache directory; the first finds it empty
             overrides.append(f"run.compile_cache={work / 'compile-cache'}")
-            result["cold"] = run_shardflow(work, workload, args.iterations, overrides, args.with_ref)
-        result["shardflow"] = ours = run_shardflow(work, workload, args.iterations, overrides, args.with_ref)
+            result["cold"] = run_shardflow(work, workload, args.iterations, overrides, args.with_ref,
+                                           out / "stacks-cold.json" if args.sample_stacks else None)
+        result["shardflow"] = ours = run_shardflow(work, workload, args.iterations, overrides, args.with_ref,
+                                                   out / "stacks.json" if args.sample_stacks else None)
         (out / "iteration.json").write_text(json.dumps(result, indent=2))  # kept if the peer fails
         # The peer first: the planner's profile (minutes on a GPU) must not cost the comparison.
         result["trl"] = {}  # per-device micro-batch -> TRL's run, with the speed-up over it
