@@ -11,12 +11,12 @@ SmolLM2-135M-Instruct, with word problems and a held-out evaluation (``pip insta
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 
 from shardflow.config.experiment import ExperimentConfig
 from shardflow.config.load import load_config, merge, parse_override
 from shardflow.config.schema import describe
-from shardflow.examples import arithmetic, arithmetic_tools, smollm2
 from shardflow.parallel.launch import launch
 from shardflow.plan.execution_plan import PLAN_FILE_FORMAT
 from shardflow.rl.advantages import ADVANTAGES
@@ -29,9 +29,10 @@ from shardflow.runtime.validate import prepare
 
 logger = logging.getLogger(__name__)
 
-# the shipped examples: their config builders and default run names
-EXAMPLES = {"arithmetic": arithmetic.example_config, "tools": arithmetic_tools.example_config,
-            "smollm2": smollm2.example_config}
+# the shipped examples: the modules with their config builders (``example_config``), loaded only when
+# one runs (they import transformers' model classes, seconds a process), and their default run names
+EXAMPLES = {"arithmetic": "shardflow.examples.arithmetic", "tools": "shardflow.examples.arithmetic_tools",
+            "smollm2": "shardflow.examples.smollm2"}
 EXAMPLE_NAMES = {"arithmetic": "arithmetic", "tools": "arithmetic_tools", "smollm2": "smollm2"}
 
 
@@ -66,7 +67,8 @@ def load_train_config(args: list[str], example: str) -> ExperimentConfig:
     if not files:
         if example not in EXAMPLES:
             raise ValueError(f"--example must be one of {', '.join(sorted(EXAMPLES))}, got {example!r}")
-        base = EXAMPLES[example](*_example_settings(overrides, example))
+        build = importlib.import_module(EXAMPLES[example]).example_config
+        base = build(*_example_settings(overrides, example))
     return load_config(files[0] if files else None, overrides, base=base)
 
 
