@@ -277,3 +277,36 @@ def test_compiled_layers_run_packed_rows_alike(checkpoints):
         error = ((got[name] - want[name]).norm() / want[name].norm()).item()
         assert error < 1e-5, f"{name}: relative error {error:.2e}"
     assert sum(counters["graph_break"].values()) == breaks
+
+
+@pytest.mark.parametrize("case", ["qwen3_qknorm", "mistral_window"])
+def test_compiled_layers_run_padded_rows_of_any_count_alike(checkpoints, case):
+    """Padded micro-batches (one row or several, a sliding window shorter than the rows) run the
+    compiled layers' two graphs, the same as packed ones: the eager layers' outputs and gradients,
+    and no graph compiled beyond the trial's."""
+    from torch._dynamo.utils import counters
+
+    family = "mistral" if case == "mistral_window" else "qwen3"
+    path = checkpoints.get(case, family, **({"tie_word_embeddings": True} if family == "qwen3" else {}))
+    world = World(rank=0, size=1, device=torch.device("cpu"), backend="gloo")
+    eager, _ = load_model(path, Layout((0,)), world)
+    compiled, _ = load_model(path, Layout((0,)), world)
+    assert compiled.compile_layers()
+    graphs = counters["stats"]["unique_graphs"]
+    for rows, length in [(2, 24), (3, 37), (1, 20)]:
+        ids = torch.randint(0, 50, (rows, length), generator=torch.Generator().manual_seed(rows))
+        positions = torch.arange(length).expand(rows, length)
+        weights = torch.randn(rows, length, eager.cfg.hidden_size, generator=torch.Generator().manual_seed(7))
+        outputs, grads = [], []
+        for model in (compiled, eager):
+            hidden = model(ids, positions)
+            (hidden * weights).sum().backward()
+            outputs.append(hidden.detach())
+            grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+            model.zero_grad(set_to_none=True)
+        torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=0, msg=f"{rows} x {length}")
+        assert grads[0].keys() == grads[1].keys() and any("q_proj" in name for name in grads[0])
+        for name in grads[0]:
+            error = ((grads[0][name] - grads[1][name]).norm() / grads[1][name].norm()).item()
+            assert error < 1e-5, f"{rows} x {length} {name}: relative error {error:.2e}"
+    assert counters["stats"]["unique_graphs"] == graphs

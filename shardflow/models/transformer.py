@@ -178,47 +178,52 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _layer_forward(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   attend: AttendFn | None) -> torch.Tensor:
-    """One layer's forward as a plain function of the layer, so that one compiled version serves
-    every layer (their parameters are inputs, not constants)."""
-    return layer(x, cos, sin, attend)
-
-
-def _before_packed_attention(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
-                             sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A layer over one packed row x [1,T,H] up to its attention: q [T,h,d], k and v [T,k,d]."""
+# The two pieces of a layer around its attention, plain functions of the layer so that one compiled
+# version serves every layer (their parameters are inputs, not constants).
+def _before_attention(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A layer over its tokens as one row x [1,N,H] up to its attention: q [N,h,d], k and v [N,k,d]."""
     q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin)
     return q[0], k[0], v[0]
 
 
-def _after_packed_attention(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The rest of the layer from its packed attention's output [T,h,d]."""
+def _after_attention(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The rest of the layer from its attention's output [N,h,d]."""
     return layer.finish(x + layer.self_attn.output(out[None]))
 
 
 class LayerRunner:
-    """Runs one decoder layer: plain causal (or with a caller's ``attend``) through ``whole``; over
-    packed sequences through ``before``, the packed attention outside any graph (its sizes are
-    host values that change per micro-batch), then ``after``. Compiled, the two pieces are two
-    graphs; a graph break inside one compiled layer would make several frames of nested functions,
-    each traced again in every process (dynamo's work is not cached)."""
+    """Runs one decoder layer through ``before`` (up to its attention, over the layer's tokens as one
+    row), the attention outside any graph (packed: its sizes are host values that change per
+    micro-batch; padded rows: causal over each row), then ``after``. Compiled, the two pieces are two
+    graphs that serve packed and padded micro-batches of any size alike: a graph break inside one
+    compiled layer would make several frames of nested functions, each traced again in every process
+    (dynamo's work is not cached), and a graph of the whole layer would specialise on its rows (one
+    row against several: compiled again). A caller's ``attend`` (generation's prefill) runs the layer
+    eager, whole."""
 
-    def __init__(self, whole=_layer_forward, before=_before_packed_attention, after=_after_packed_attention):
-        self.whole, self.before, self.after = whole, before, after
+    def __init__(self, before=_before_attention, after=_after_attention):
+        self.before, self.after = before, after
 
     @classmethod
     def compiled(cls, **options) -> "LayerRunner":
-        """The three functions, each through ``torch.compile(fn, **options)``."""
-        return cls(*(torch.compile(fn, **options) for fn in (_layer_forward, _before_packed_attention,
-                                                               _after_packed_attention)))
+        """The two functions, each through ``torch.compile(fn, **options)``."""
+        return cls(*(torch.compile(fn, **options) for fn in (_before_attention, _after_attention)))
 
     def __call__(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  attend: AttendFn | None = None, packed: PackedSequences | None = None) -> torch.Tensor:
-        if packed is None:
-            return self.whole(layer, x, cos, sin, attend)
-        q, k, v = self.before(layer, x, cos, sin)
-        return self.after(layer, x, packed_attention(q, k, v, packed))
+        if attend is not None:
+            return layer(x, cos, sin, attend)
+        B, T, H = x.shape
+        row = x.reshape(1, B * T, H)  # the rows' tokens as one row: the projections see tokens, not rows
+        q, k, v = self.before(layer, row, cos.reshape(1, B * T, -1), sin.reshape(1, B * T, -1))
+        if packed is not None:
+            out = packed_attention(q, k, v, packed)
+        else:
+            heads, d = q.shape[1:]
+            q, k, v = (t.view(B, T, -1, d).transpose(1, 2) for t in (q, k, v))  # [B,heads,T,d]
+            out = causal_attention(q, k, v, layer.self_attn.window).transpose(1, 2).reshape(B * T, heads, d)
+        return self.after(layer, row, out).view(B, T, H)
 
 
 EAGER_LAYERS = LayerRunner()
@@ -307,7 +312,7 @@ class Transformer(nn.Module):
         return self._compiled if attend is None and self._compiled is not None else EAGER_LAYERS
 
     def compile_layers(self) -> bool:
-        """Run plain and packed forwards (and their backwards) of every decoder layer through
+        """Run padded and packed forwards (and their backwards) of every decoder layer through
         ``torch.compile``d functions (``LayerRunner``), which fuse the norms, rotary embedding and
         activation into few kernels. The compiled code is tried once first; if
         compilation fails the model stays eager and this returns False."""
@@ -334,9 +339,8 @@ class Transformer(nn.Module):
         x = torch.zeros(1, tokens, self.cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=True)
         cos, sin = self.rope(torch.arange(tokens, device=p.device)[None], p.dtype)
         try:
-            out = compiled.whole(layer, x, cos, sin, None)
             q, _, _ = compiled.before(layer, x, cos, sin)
-            (out.sum() + compiled.after(layer, x, q).sum()).backward()  # q stands in for the attention's output
+            compiled.after(layer, x, q).sum().backward()  # q stands in for the attention's output
         except Exception as e:  # noqa: BLE001 - any compiler failure: stay eager, say so
             logger.warning(f"torch.compile of the decoder layers failed, running eager: {type(e).__name__}: {e}")
             return False
