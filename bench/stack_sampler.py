@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import runpy
 import sys
@@ -92,7 +93,8 @@ def _label(frame: list) -> str:
 
 
 def report(path: str, thread: str, start: float, end: float, depth: int, top: int) -> None:
-    data = json.load(open(path))
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        data = json.load(f)
     frames, stacks, interval = data["frames"], data["stacks"], data["interval"]
     samples = [(t, s) for t, name, s in data["samples"] if name == thread and start <= t <= end]
     print(f"{len(samples)} samples of {thread} ({len(samples) * interval:.1f} s at {interval * 1e3:.0f} ms) "

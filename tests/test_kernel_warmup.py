@@ -70,3 +70,28 @@ def test_nothing_compiles_ahead_off_cuda_and_a_failure_is_contained(checkpoints,
     with caplog.at_level("WARNING"):
         compile_ahead(torch.device("cpu"), "the test's kernels", lambda: None).result()  # no CUDA device to set
     assert "compiling the test's kernels ahead failed" in caplog.text
+
+
+def test_a_warmed_kernel_is_loaded_as_its_first_launch_would_load_it():
+    """``models.triton_warmup.warmup`` compiles with the launch's arguments and grid, then runs
+    Triton's first-launch step (the launcher's build, the module's load) at once; a stand-in
+    without one (the tests' recorders) is left as it is."""
+    from shardflow.models.triton_warmup import warmup
+
+    class Compiled:
+        loaded = 0
+
+        def _init_handles(self):
+            self.loaded += 1
+
+    class Kernel:
+        def warmup(self, *args, grid, **options):
+            self.call = (args, grid, options)
+            return self.compiled
+
+    kernel = Kernel()
+    kernel.compiled = Compiled()
+    assert warmup(kernel, (3,))(1, "x", BLOCK=4) is kernel.compiled
+    assert kernel.call == ((1, "x"), (3,), {"BLOCK": 4}) and kernel.compiled.loaded == 1
+    kernel.compiled = None
+    assert warmup(kernel, (1,))() is None

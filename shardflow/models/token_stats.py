@@ -20,10 +20,10 @@ Padding columns hold -inf and contribute nothing.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
+from shardflow.models.triton_warmup import warmup
 from shardflow.parallel.comm import ReduceOp, all_reduce
 from shardflow.parallel.device_memory import free_bytes
 
@@ -195,8 +195,8 @@ def warm_kernels(dtype: torch.dtype, vocab_rows: int, vocab_start: int, rows: in
     for lo in chunks:
         x = MockTensor(dtype, [1, min(lo + width, vocab_rows) - lo])
         start = vocab_start + lo
-        _launch_stats(functools.partial(_stats_kernel.warmup, grid=(1,)), x, torch.int64, torch.float32, start, 1.0)
-        _launch_grad(functools.partial(_grad_kernel.warmup, grid=(1,)), x, torch.int64, *[torch.float32] * 4, x,
+        _launch_stats(warmup(_stats_kernel, (1,)), x, torch.int64, torch.float32, start, 1.0)
+        _launch_grad(warmup(_grad_kernel, (1,)), x, torch.int64, *[torch.float32] * 4, x,
                      start, 1.0)
     return len(chunks)
 

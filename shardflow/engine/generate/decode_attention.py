@@ -23,13 +23,13 @@ per row, d head dim.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from shardflow.models.triton_warmup import warmup
 from shardflow.perf.sharing import PROMPT_ROWS
 
 try:
@@ -296,11 +296,8 @@ def warm_kernels(device: torch.device, dtype: torch.dtype, *, batch: int, heads:
     blocks = torch.empty(batch, *([blocks_per_row] if blocks_per_row > 1 else []), dtype=torch.int64, device=meta)
     lengths = torch.empty(batch, dtype=torch.int64, device=meta)
 
-    def warm(kernel, grid):
-        return functools.partial(kernel.warmup, grid=grid)
-
     for window in dict.fromkeys(windows):
-        _run(warm, device, q, cache, cache, blocks, lengths, window, (lengths, lengths) if shared else None)
+        _run(warmup, device, q, cache, cache, blocks, lengths, window, (lengths, lengths) if shared else None)
 
 
 def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, window, prompts, *, block: int = BLOCK_N,

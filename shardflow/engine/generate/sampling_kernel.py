@@ -19,9 +19,10 @@ step treats it as one call. Tested on CPU with ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-import functools
 
 import torch
+
+from shardflow.models.triton_warmup import warmup
 
 try:
     import triton
@@ -148,7 +149,7 @@ def warm_kernels(device: torch.device, dtype: torch.dtype, *, batch: int, vocab:
     tensors on the meta device: the step's dtypes, shapes and strides, no memory)."""
     meta = torch.device("meta")
     rows = torch.empty(batch, dtype=torch.int64, device=meta)
-    _run(lambda kernel, grid: functools.partial(kernel.warmup, grid=grid), device,
+    _run(warmup, device,
          torch.empty(batch, vocab, dtype=dtype, device=meta), torch.empty(batch, dtype=torch.float32, device=meta),
          rows, rows, vocab_start, sample)
 

@@ -17,7 +17,7 @@ all-reduces per layer and one for the embedding) are the only communication.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F

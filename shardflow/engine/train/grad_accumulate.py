@@ -16,10 +16,11 @@ stores vectorise. On CPU (or without Triton) each gradient is added on its own; 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
+
+from shardflow.models.triton_warmup import warmup
 
 try:
     import triton
@@ -125,7 +126,7 @@ def warm_kernels(dtype: torch.dtype, numel: int) -> None:
     ``dtype`` into a float32 buffer of ``numel`` elements: aligned offsets, and offsets past 2**31
     where the buffer reaches them (another argument type)."""
     for offset in (0, 1 << 31) if numel > 1 << 31 else (0,):
-        _launch(functools.partial(_accumulate_kernel.warmup, grid=(1,)), MockTensor(torch.float32),
+        _launch(warmup(_accumulate_kernel, (1,)), MockTensor(torch.float32),
                 [MockTensor(dtype)] * MAX_SOURCES, [BLOCK] * MAX_SOURCES, [offset] * MAX_SOURCES,
                 list(range(MAX_SOURCES)))
 
