@@ -4,8 +4,8 @@ goes when no profiler can attach (cold compilation, setup, first calls).
     python bench/stack_sampler.py --out stacks.json --interval 0.01 -m shardflow.cli.main train run.yaml
     python bench/stack_sampler.py --report stacks.json [--thread MainThread] [--from 10 --to 40] [--depth 3]
 
-The samples are taken between bytecodes (the sampler needs the GIL), so a C call that holds the GIL is
-charged to the frame that made it, up to the interpreter's switch interval late. ``--report`` prints the
+The samples are taken between bytecodes (the sampler needs the GIL): each stands for the time since the
+thread's previous sample, so a C call that holds the GIL is charged to the stack found right after it. ``--report`` prints the
 frames that held the most samples (self and inclusive, shardflow's own frames and the libraries' top-level
 ones) and a timeline of the sampled thread's dominant shardflow frame per second.
 """
@@ -96,12 +96,18 @@ def report(path: str, thread: str, start: float, end: float, depth: int, top: in
     with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         data = json.load(f)
     frames, stacks, interval = data["frames"], data["stacks"], data["interval"]
-    samples = [(t, s) for t, name, s in data["samples"] if name == thread and start <= t <= end]
-    print(f"{len(samples)} samples of {thread} ({len(samples) * interval:.1f} s at {interval * 1e3:.0f} ms) "
-          f"between {start:g} and {min(end, samples[-1][0] if samples else 0):.1f} s")
+    # Each sample stands for the time since the thread's previous one: a sampler kept from the GIL (a long C
+    # call that holds it) comes late, and the stack it then finds is most likely the one that kept it.
+    ordered = sorted((t, s) for t, name, s in data["samples"] if name == thread)
+    weighted = [(t, s, t - before) for (before, _), (t, s) in zip([(ordered[0][0] - interval, None), *ordered],
+                                                                  ordered)] if ordered else []
+    samples = [(t, s, w) for t, s, w in weighted if start <= t <= end]
+    total = sum(w for _, _, w in samples)
+    print(f"{len(samples)} samples of {thread}, {total:.1f} s, between {start:g} and "
+          f"{min(end, samples[-1][0] if samples else 0):.1f} s (every {interval * 1e3:.0f} ms or later)")
     inclusive, own, activity = collections.Counter(), collections.Counter(), collections.Counter()
     library = collections.Counter()  # the outermost frame of each library that a shardflow frame called
-    for _, s in samples:
+    for _, s, weight in samples:
         stack = [frames[i] for i in stacks[s]]
         seen = set()
         for fr in stack:
@@ -109,29 +115,29 @@ def report(path: str, thread: str, start: float, end: float, depth: int, top: in
                 key = _label([fr[0], fr[1], 0])
                 if key not in seen:
                     seen.add(key)
-                    inclusive[key] += 1
+                    inclusive[key] += weight
         ours = [i for i, fr in enumerate(stack) if "/shardflow/" in fr[0]]
         if ours and ours[-1] + 1 < len(stack):
             below = stack[ours[-1] + 1: ours[-1] + 1 + depth]
-            library[" > ".join(_label(fr) for fr in [stack[ours[-1]], *below])] += 1
+            library[" > ".join(_label(fr) for fr in [stack[ours[-1]], *below])] += weight
         if stack:
-            own[_label(stack[-1])] += 1
-        activity[_activity(stack)] += 1
+            own[_label(stack[-1])] += weight
+        activity[_activity(stack)] += weight
     for title, counter in (("activities", activity), ("shardflow frames, inclusive", inclusive),
                            ("below shardflow's innermost frame", library), ("innermost frames", own)):
         print(f"\n{title} (s):")
-        for key, n in counter.most_common(top):
-            print(f"  {n * interval:8.2f}  {key}")
+        for key, seconds in counter.most_common(top):
+            print(f"  {seconds:8.2f}  {key}")
     print("\ntimeline (s: shardflow's innermost frame and activity holding most of that second):")
     by_second = collections.defaultdict(collections.Counter)
-    for t, s in samples:
+    for t, s, weight in samples:
         stack = [frames[i] for i in stacks[s]]
         ours = [fr for fr in stack if "/shardflow/" in fr[0]]
         where = _label([ours[-1][0], ours[-1][1], 0]) if ours else "(outside shardflow)"
-        by_second[int(t)][f"{where} [{_activity(stack)}]"] += 1
+        by_second[int(t)][f"{where} [{_activity(stack)}]"] += weight
     for second in sorted(by_second):
-        key, n = by_second[second].most_common(1)[0]
-        print(f"  {second:5d}  {n * interval:4.2f}  {key}")
+        key, seconds = by_second[second].most_common(1)[0]
+        print(f"  {second:5d}  {seconds:4.2f}  {key}")
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,30 @@ def test_paired_runs_a_benchmark_on_the_checkout_and_an_exported_commit(tmp_path
     bad = subprocess.run([*paired, "run", "--out", str(tmp_path / "bad"), "--script", "token_stats.py",
                           "--variant-args", "again:", "--", "--tiny"], capture_output=True, text=True, env=env)
     assert bad.returncode != 0 and "--variant-args 'again:'" in bad.stderr and not (tmp_path / "bad").exists()
+
+
+def test_stack_sampler_charges_a_module_s_time_to_the_function_that_spent_it(tmp_path):
+    """bench/stack_sampler.py runs a module with its arguments, samples its threads' stacks, and its
+    report charges the wall time to the function that spent it, on the timeline too."""
+    (tmp_path / "busy.py").write_text(textwrap.dedent("""
+        import sys, time
+
+        def spin(seconds):
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+
+        spin(float(sys.argv[1]))
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    samples = tmp_path / "stacks.json"
+    sampler = [sys.executable, str(BENCH / "stack_sampler.py")]
+    done = subprocess.run([*sampler, "--out", str(samples), "--interval", "0.005", "-m", "busy", "0.5"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = subprocess.run([*sampler, "--report", str(samples)], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert report.returncode == 0, report.stderr[-2000:]
+    innermost = report.stdout.split("innermost frames (s):")[1].split("timeline")[0].splitlines()[1]
+    seconds, frame = innermost.split()
+    assert frame.endswith("busy.py:spin:6") and 0.4 < float(seconds) < 0.7, report.stdout
