@@ -95,3 +95,21 @@ def test_a_warmed_kernel_is_loaded_as_its_first_launch_would_load_it():
     assert kernel.call == ((1, "x"), (3,), {"BLOCK": 4}) and kernel.compiled.loaded == 1
     kernel.compiled = None
     assert warmup(kernel, (1,))() is None
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_the_attention_warm_up_runs_the_model_s_attention_with_its_heads(backward, monkeypatch):
+    """``warm_attention`` runs ``causal_attention`` (the prefill's and training's) once on grouped
+    query heads of the model's size, and its backward where asked."""
+    from shardflow.models import transformer
+
+    calls = []
+    real = transformer.causal_attention
+
+    def recorded(q, k, v, window):
+        calls.append((tuple(q.shape), tuple(k.shape), window, q.requires_grad))
+        return real(q, k, v, window)
+
+    monkeypatch.setattr(transformer, "causal_attention", recorded)
+    transformer.warm_attention(torch.device("cpu"), torch.bfloat16, 8, 2, 16, backward=backward)
+    assert calls == [((1, 8, 64, 16), (1, 2, 64, 16), None, backward)]

@@ -95,6 +95,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+def warm_attention(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, *,
+                   backward: bool) -> None:
+    """One small causal attention on ``device`` as the model's run it (its backward too, where
+    ``backward``): a process's first one loads the attention library's kernels (on a fresh machine
+    about 1 s inside the first prefill, and more inside the first training call), which a thread
+    can do while the run sets up. Plans for each real shape are still built at its first use."""
+    q, k, v = (torch.zeros(1, n, 64, head_dim, dtype=dtype, device=device, requires_grad=backward)
+               for n in (heads, kv_heads, kv_heads))
+    out = causal_attention(q, k, v, None)
+    if backward:
+        out.sum().backward()
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: RankShard, layer: int, group: ProcessGroup | None):
         super().__init__()

@@ -20,6 +20,7 @@ from shardflow.engine.generate import decode_attention, sampling_kernel
 from shardflow.engine.generate.engine import EngineConfig
 from shardflow.engine.generate.kv_cache import block_layout
 from shardflow.engine.generate.sampling import FILTER, SAMPLE
+from shardflow.models.transformer import warm_attention
 from shardflow.parallel.sharding import RankShard
 
 
@@ -42,6 +43,7 @@ def compile_kernels(device: torch.device, dtype: torch.dtype, cfg: ModelConfig, 
     first decode step holds that many when the requests fill its slots."""
     max_len = (config.max_seq_len or cfg.max_position_embeddings) - 1  # as ``GenerationEngine.reset_cache``
     positions, blocks_per_row = block_layout(max_len, config.kv_block_size)
+    warm_attention(device, dtype, shard.num_heads, shard.num_kv_heads, cfg.head_dim, backward=False)  # the prefill's
     decode_attention.warm_kernels(
         device, dtype, batch=config.max_batch_size, heads=shard.num_heads, kv_heads=shard.num_kv_heads,
         head_dim=cfg.head_dim, block_size=positions, blocks_per_row=blocks_per_row,

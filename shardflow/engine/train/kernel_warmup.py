@@ -15,10 +15,12 @@ from __future__ import annotations
 import functools
 from concurrent.futures import Future
 
+import torch
+
 from shardflow.engine.compile_cache import compile_ahead
 from shardflow.engine.train import grad_accumulate
 from shardflow.models import token_stats
-from shardflow.models.transformer import Transformer
+from shardflow.models.transformer import Transformer, warm_attention
 
 
 def start(model: Transformer) -> Future | None:
@@ -32,13 +34,19 @@ def start(model: Transformer) -> Future | None:
     except RuntimeError:  # no LM head on this rank (a pipeline stage before the last, a value model)
         head_rows = 0
     numel = sum(p.numel() for p in model.parameters())  # the gradient buffer's size, at most
+    shard = model.shard
     return compile_ahead(param.device, "training's kernels",
-                         functools.partial(compile_kernels, param.dtype, head_rows, model.shard.vocab_start, numel))
+                         functools.partial(compile_kernels, param.dtype, head_rows, shard.vocab_start, numel,
+                                           attention=(shard.num_heads, shard.num_kv_heads, model.cfg.head_dim)))
 
 
-def compile_kernels(dtype, head_rows: int, vocab_start: int, numel: int) -> None:
+def compile_kernels(dtype, head_rows: int, vocab_start: int, numel: int,
+                    attention: tuple[int, int, int] | None = None) -> None:
     """The warm-ups, on the current CUDA device: the head's kernels over ``head_rows`` local
-    vocabulary rows (none: no head here), the accumulation into a buffer of ``numel`` elements."""
+    vocabulary rows (none: no head here), the accumulation into a buffer of ``numel`` elements, and
+    ``attention`` (heads, KV heads, head size) forward and backward (``warm_attention``)."""
     if head_rows:
         token_stats.warm_kernels(dtype, head_rows, vocab_start)
     grad_accumulate.warm_kernels(dtype, numel)
+    if attention is not None:
+        warm_attention(torch.device("cuda", torch.cuda.current_device()), dtype, *attention, backward=True)
