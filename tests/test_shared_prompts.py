@@ -281,9 +281,9 @@ def test_compiled_layers_run_packed_rows_alike(checkpoints):
 
 @pytest.mark.parametrize("case", ["qwen3_qknorm", "mistral_window"])
 def test_compiled_layers_run_padded_rows_of_any_count_alike(checkpoints, case):
-    """Padded micro-batches (one row or several, a sliding window shorter than the rows) run the
-    compiled layers' two graphs, the same as packed ones: the eager layers' outputs and gradients,
-    and no graph compiled beyond the trial's."""
+    """Padded micro-batches (one row or several, their positions per row or shared, a sliding window
+    shorter than the rows) run the compiled layers' two graphs, the same as packed ones: the eager
+    layers' outputs and gradients, and no graph compiled beyond the trial's."""
     from torch._dynamo.utils import counters
 
     family = "mistral" if case == "mistral_window" else "qwen3"
@@ -293,9 +293,9 @@ def test_compiled_layers_run_padded_rows_of_any_count_alike(checkpoints, case):
     compiled, _ = load_model(path, Layout((0,)), world)
     assert compiled.compile_layers()
     graphs = counters["stats"]["unique_graphs"]
-    for rows, length in [(2, 24), (3, 37), (1, 20)]:
+    for rows, length, shared in [(2, 24, False), (3, 37, True), (1, 20, False)]:
         ids = torch.randint(0, 50, (rows, length), generator=torch.Generator().manual_seed(rows))
-        positions = torch.arange(length).expand(rows, length)
+        positions = torch.arange(length)[None] if shared else torch.arange(length).expand(rows, length)
         weights = torch.randn(rows, length, eager.cfg.hidden_size, generator=torch.Generator().manual_seed(7))
         outputs, grads = [], []
         for model in (compiled, eager):

@@ -20,7 +20,6 @@ Padding columns hold -inf and contribute nothing.
 
 from __future__ import annotations
 
-
 import torch
 
 from shardflow.models.triton_warmup import warmup

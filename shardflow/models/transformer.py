@@ -97,7 +97,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
 
 def warm_attention(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, *,
                    backward: bool) -> None:
-    """One small causal attention on ``device`` as the model's run it (its backward too, where
+    """One small causal attention on ``device`` as the model runs it (its backward too, where
     ``backward``): a process's first one loads the attention library's kernels (on a fresh machine
     about 1 s inside the first prefill, and more inside the first training call), which a thread
     can do while the run sets up. Plans for each real shape are still built at its first use."""
@@ -229,7 +229,8 @@ class LayerRunner:
             return layer(x, cos, sin, attend)
         B, T, H = x.shape
         row = x.reshape(1, B * T, H)  # the rows' tokens as one row: the projections see tokens, not rows
-        q, k, v = self.before(layer, row, cos.reshape(1, B * T, -1), sin.reshape(1, B * T, -1))
+        cos, sin = (t.expand(B, T, -1).reshape(1, B * T, -1) for t in (cos, sin))  # positions may be shared
+        q, k, v = self.before(layer, row, cos, sin)
         if packed is not None:
             out = packed_attention(q, k, v, packed)
         else:

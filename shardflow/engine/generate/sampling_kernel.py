@@ -19,7 +19,6 @@ step treats it as one call. Tested on CPU with ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-
 import torch
 
 from shardflow.models.triton_warmup import warmup
