@@ -30,16 +30,18 @@ def mean(values):
 
 def test_the_calculator_example_learns_to_call_its_tool(pool, tmp_path_factory):
     raw = arithmetic_tools.example_config(tmp_path_factory.mktemp("tools"))
-    metrics = run(pool, raw, tmp_path_factory.mktemp("tools_run"), 30)
+    metrics = run(pool, raw, tmp_path_factory.mktemp("tools_run"), raw["run"]["iterations"])  # the example's 40
     rewards = [m["reward/mean"] for m in metrics]
     turns = [m["rollout/turns_mean"] for m in metrics]
     # the warm start calls the calculator in about half of its episodes and answers the rest
     # itself, mostly wrongly; GRPO learns to call it (and to copy the operands right)
     assert max(m["rollout/turns_max"] for m in metrics) >= 2
-    assert mean(turns[-5:]) > mean(turns[:5]) + 0.15, turns
-    # (the start's reward is 0.6-0.65 with today's packages, about 0.1 above the design's; a 5-iteration
-    # mean of 64 episodes varies by ~0.04, so +0.1 still separates learning from noise)
-    assert mean(rewards[-5:]) > mean(rewards[:5]) + 0.1, rewards
+    assert mean(turns[-10:]) > mean(turns[:10]) + 0.15, turns
+    # The start's reward is 0.55-0.65 (the warm start differs with the CPU's arithmetic), and an iteration's
+    # mean of 64 episodes varies by ~0.1 (dips of 0.2 for a few iterations happen on the way): 10-iteration
+    # means (~0.035 each) put +0.1 at about twice the noise of their difference. Over 30 iterations and
+    # 5-iteration means (the test before) the run that starts lowest measured +0.07 at a dip.
+    assert mean(rewards[-10:]) > mean(rewards[:10]) + 0.1, rewards
     assert all(m["rollout/tool_calls"] > 0 and m["rollout/observation_tokens"] > 0 for m in metrics)
 
 
