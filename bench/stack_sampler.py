@@ -5,9 +5,10 @@ goes when no profiler can attach (cold compilation, setup, first calls).
     python bench/stack_sampler.py --report stacks.json [--thread MainThread] [--from 10 --to 40] [--depth 3]
 
 The samples are taken between bytecodes (the sampler needs the GIL): each stands for the time since the
-thread's previous sample, so a C call that holds the GIL is charged to the stack found right after it. ``--report`` prints the
-frames that held the most samples (self and inclusive, shardflow's own frames and the libraries' top-level
-ones) and a timeline of the sampled thread's dominant shardflow frame per second.
+thread's previous sample, so a C call that holds the GIL is charged to the stack found right after it.
+``--report`` prints one thread's time by activity (imports, dynamo, inductor, Triton, graph capture), by
+shardflow frame (inclusive), by the library frames below shardflow's innermost one and by innermost frame, and
+a timeline of its dominant shardflow frame and activity per second. Samples may be gzipped (``.gz``).
 """
 
 from __future__ import annotations
