@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -192,8 +193,9 @@ def rooflines(shape: dict, workload: dict, bandwidth: float, flops: float) -> di
 
 
 def run_shardflow(work: Path, workload: dict, iterations: int, overrides: list[str], with_ref: bool,
-                  stacks: Path | None = None) -> dict:
-    """``stacks``: where the run's stack samples go (``bench/stack_sampler.py``), if anywhere."""
+                  stacks: Path | None = None, logs: Path | None = None) -> dict:
+    """``stacks``: where the run's stack samples go (``bench/stack_sampler.py``), if anywhere; ``logs``:
+    where the run's logs are copied."""
     out = work / "shardflow-run"
     config = shardflow_config(work, workload, iterations, out, with_ref)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
@@ -202,6 +204,8 @@ def run_shardflow(work: Path, workload: dict, iterations: int, overrides: list[s
     subprocess.run([sys.executable, *sampler, "-m", "shardflow.cli.main", "train", str(config), *overrides],
                    check=True, env=env)
     wall = time.perf_counter() - start
+    if logs is not None and (out / "logs").is_dir():
+        shutil.copytree(out / "logs", logs, dirs_exist_ok=True)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first_end = rows[0]["time"] - started_at  # from the command to iteration 1's metrics
     steady = rows[1:] if len(rows) > 1 else rows
@@ -212,12 +216,13 @@ def run_shardflow(work: Path, workload: dict, iterations: int, overrides: list[s
              if k.startswith(("time/compile", "time/jit", "time/setup"))}
     first_phases = {k.removeprefix("time/"): v for k, v in rows[0].items() if k.startswith("time/")
                     and not k.startswith(("time/compile", "time/jit", "time/setup"))}
+    graphs = {k.removeprefix("compile/"): v for k, v in rows[0].items() if k.startswith("compile/")}  # cached, built
     recompiled = sorted({k for r in rows[1:] for k in r if k.startswith(("time/compile", "time/jit"))})
     peaks = {k.removeprefix("memory/").removesuffix("/peak_gb"): max(r[k] for r in rows) for k in rows[0]
              if k.startswith("memory/")}
     return {"iteration_s": [r["time/iteration"] for r in rows], "median_iteration_s": phases.pop("iteration"),
             "peak_memory_gb": peaks, "first_iteration_end_s": first_end, "first_iteration_s": first,
-            "first_iteration_phases_s": first_phases, "recompiled_later": recompiled,
+            "first_iteration_phases_s": first_phases, "first_iteration_graphs": graphs, "recompiled_later": recompiled,
             "phases_s": phases, "tokens_per_s": statistics.median(r.get("generation/tokens_per_s", 0) for r in steady),
             "micro_batches": {k.removesuffix("/num_micro_batches"): statistics.median(r[k] for r in steady)
                               for k in steady[0] if k.endswith("/num_micro_batches")},
@@ -325,9 +330,9 @@ def main() -> None:
         if args.cold_and_warm:  # both runs on one new cache directory; the first finds it empty
             overrides.append(f"run.compile_cache={work / 'compile-cache'}")
             result["cold"] = run_shardflow(work, workload, args.iterations, overrides, args.with_ref,
-                                           out / "stacks-cold.json" if args.sample_stacks else None)
+                                           out / "stacks-cold.json" if args.sample_stacks else None, out / "logs-cold")
         result["shardflow"] = ours = run_shardflow(work, workload, args.iterations, overrides, args.with_ref,
-                                                   out / "stacks.json" if args.sample_stacks else None)
+                                                   out / "stacks.json" if args.sample_stacks else None, out / "logs")
         (out / "iteration.json").write_text(json.dumps(result, indent=2))  # kept if the peer fails
         # The peer first: the planner's profile (minutes on a GPU) must not cost the comparison.
         result["trl"] = {}  # per-device micro-batch -> TRL's run, with the speed-up over it
@@ -367,6 +372,8 @@ def main() -> None:
         if run is not None:
             print(f"{name}: before iteration 1 and compiling in it (s): "
                   + ", ".join(f"{k} {v:.1f}" for k, v in run["first_iteration_s"].items())
+                  + (f"; graphs {', '.join(f'{k} {v:.0f}' for k, v in run['first_iteration_graphs'].items())}"
+                     if run["first_iteration_graphs"] else "")
                   + (f"; compiled again later: {', '.join(run['recompiled_later'])}" if run["recompiled_later"] else ""))
     print("shardflow: iteration 1 by phase (s): " + ", ".join(f"{k} {v:.2f}" for k, v in
                                                           ours["first_iteration_phases_s"].items()))

@@ -139,6 +139,8 @@ class GenerationConfig(Settings):
                                         "(benchmarks)")
     compile: bool = setting(True, "torch.compile the decode step's layers on GPUs (one compiled layer serves all; "
                                   "tp=1 layouts)")
+    compile_ahead: bool = setting(True, "compile the decode step in a helper process while the run sets up (its "
+                                        "graphs into the compile cache, where the first generate call finds them)")
     compile_mode: str = setting("default", "torch.compile mode of the decode step (max-autotune-no-cudagraphs: "
                                            "autotuned kernels, much longer compilation)", choices=COMPILE_MODES)
     blas_library: str = setting("", "BLAS library of the decode step's products on GPUs (empty: torch's default)",

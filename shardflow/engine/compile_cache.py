@@ -78,6 +78,14 @@ def compile_seconds() -> float:
     return float(spent().get("total_wall_time", 0.0)) if spent is not None else 0.0
 
 
+def graph_cache_counts() -> tuple[int, int]:
+    """Inductor's graph cache hits and misses in this process so far, by torch's own counters; (0, 0)
+    where this torch keeps none, or where nothing has loaded the compiler."""
+    counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)  # private: a torch may lack it
+    inductor = counters.get("inductor", {}) if isinstance(counters, dict) else {}
+    return int(inductor.get("fxgraph_cache_hit", 0)), int(inductor.get("fxgraph_cache_miss", 0))
+
+
 _kernel_seconds: dict[int, float] = {}  # shardflow's own Triton kernels compiled, seconds by thread
 
 

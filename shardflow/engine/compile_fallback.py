@@ -11,6 +11,8 @@ from typing import Callable, TypeVar
 
 import torch
 
+from shardflow.models import compile_settings
+
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable)
@@ -20,11 +22,9 @@ def compiled_or_eager(fn: F, what: str, **compile_options) -> F:
     """``torch.compile(fn)``; if a call of the compiled version raises, warn naming ``what`` and
     the error, then run ``fn`` itself for this call and every later one. An error that is not the
     compiler's raises again from the eager call."""
-    # Past dynamo's recompile limit (8 by default, per code object) new variants would run eager
-    # with only a log line: every engine of a process (models, dtypes, batch buckets, sampling
-    # modes) shares the one code object of its step. Raise the limit, and make passing it an
-    # error, so that it falls back below with a warning instead of slowing down unannounced.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    compile_settings.apply()
+    # Passing dynamo's recompile limit (raised there) is made an error, so that it falls back below
+    # with a warning instead of running eager unannounced.
     strict = {"fail_on_recompile_limit_hit": True}
     if not hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):  # a torch release without it
         strict = {}

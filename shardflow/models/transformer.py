@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from shardflow.config.model import ModelConfig, RopeConfig
+from shardflow.models import compile_settings
 from shardflow.models.packed_attention import PackedSequences, packed_attention
 from shardflow.models.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
 from shardflow.models.token_stats import head_logprobs_and_entropy
@@ -330,16 +331,7 @@ class Transformer(nn.Module):
         ``torch.compile``d functions (``LayerRunner``), which fuse the norms, rotary embedding and
         activation into few kernels. The compiled code is tried once first; if
         compilation fails the model stays eager and this returns False."""
-        # One code object serves every layer of every model, in both grad modes and several shape
-        # classes (size-1 dimensions specialise); past dynamo's recompile limit (8 by default) new
-        # variants would run eager without notice beyond a log line.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        # Inductor fuses the norms' weight-gradient reductions with their input-gradient ones only for
-        # inputs of at least 5M elements, and guards that size: a micro-batch under it (the last,
-        # smaller one) would compile the layer again, seconds of the first iteration. Fusing them at
-        # every size keeps one variant.
-        if hasattr(torch._inductor.config.triton, "mix_order_reduction_non_strict_mode"):
-            torch._inductor.config.triton.mix_order_reduction_non_strict_mode = True
+        compile_settings.apply()
         compiled = LayerRunner.compiled(dynamic=True)
         layer = next(iter(self.model.layers.values()), None)
         if layer is None:

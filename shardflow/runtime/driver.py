@@ -31,8 +31,10 @@ from shardflow.data.batch import SequenceBatch
 from shardflow.data.prompts import PromptSampler, completion_batch
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
 from shardflow.engine.adaptive.trace import GenerationTrace, plot_trace
+from shardflow.engine.generate import precompile
 from shardflow.engine.compile_cache import (
     compile_seconds,
+    graph_cache_counts,
     kernel_compile_seconds,
     start_compile_workers,
     use_compile_cache,
@@ -46,7 +48,7 @@ from shardflow.runtime import checkpointing
 from shardflow.runtime.calls import CALL_KINDS
 from shardflow.runtime.calls.context import CallContext, CallReport, RunState, Sampling
 from shardflow.runtime.calls.data import Held, communication_groups, is_holder, join, push_outputs, source_share
-from shardflow.runtime.calls.generate import compile_kernels_ahead
+from shardflow.runtime.calls.generate import compile_kernels_ahead, precompile_job
 from shardflow.runtime.calls.rollouts import start_workers, uses_workers
 from shardflow.runtime.evaluation import evaluate
 from shardflow.runtime.loggers import config_sinks
@@ -86,8 +88,18 @@ class Run:
         config = self.config
         self.out_dir = config.run.output_dir
         seed_everything(config.run.seed + world.rank)
+        resume_dir = prepared.resume_dir
+        specs = {role: model_spec(config, role, resume_dir, self.graph.train_call(role) is not None)
+                 for role in self.graph.models()}
+        generates = [c for c in self.graph.calls if c.kind is Kind.GENERATE and world.rank in self.plan[c.name].layout]
+        helper = None
         if world.device.type == "cuda":  # where torch.compile runs
             use_compile_cache(config.run.compile_cache)
+            jobs = [precompile_job(config, self.plan[c.name].layout, prepared.models[c.model], world,
+                                   compute_dtype(specs[c.model], world.device), greedy=c.greedy) for c in generates]
+            if any(jobs):  # the decode steps, compiled in a helper process while this one sets up
+                helper = precompile.start([j for j in jobs if j], config.run.compile_cache,
+                                          Path(self.out_dir) / "logs" / f"precompile-rank{world.rank}.log")
             start_compile_workers()
         world.create_groups(self.plan.layouts())
         world.groups.create(communication_groups(self.graph, self.plan))
@@ -101,20 +113,17 @@ class Run:
                   and reward_kind(config.reward.kind).model is None)
         reward_fn = reward_function(config.reward) if scored else None
         self.state = RunState(tokenizer=tokenizer, eos_token_ids=eos + list(prepared.models["actor"].eos_token_ids),
-                              reward_fn=reward_fn, kl=KLController.from_config(config.algorithm.kl))
+                              reward_fn=reward_fn, kl=KLController.from_config(config.algorithm.kl),
+                              precompile=helper)
         if uses_workers(config) and any(world.rank in self.plan[c.name].layout
                                         and self.plan[c.name].layout.coord(world.rank).tp == 0
                                         for c in self.graph.calls if c.kind is Kind.GENERATE):
             start_workers(config, self.state.worker_pool(config.rollout.workers))  # a replica's holder
         self.start_iteration = 0
 
-        resume_dir = prepared.resume_dir
-        specs = {role: model_spec(config, role, resume_dir, self.graph.train_call(role) is not None)
-                 for role in self.graph.models()}
-        for call in self.graph.calls:  # while the models load and compile below
-            if call.kind is Kind.GENERATE and world.rank in self.plan[call.name].layout:
-                compile_kernels_ahead(config, self.plan[call.name].layout, prepared.models[call.model], world,
-                                      compute_dtype(specs[call.model], world.device), greedy=call.greedy)
+        for call in generates:  # while the models load and compile below
+            compile_kernels_ahead(config, self.plan[call.name].layout, prepared.models[call.model], world,
+                                  compute_dtype(specs[call.model], world.device), greedy=call.greedy)
         self.slots: dict[str, ModelSlot] = {}
         for role, spec in specs.items():
             home = self.plan[self.graph.home_call(role).name].layout
@@ -159,7 +168,8 @@ class Run:
         cuda = world.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(world.device)
-        start, compiled, kernels = time.time(), compile_seconds(), kernel_compile_seconds()
+        start, compiled, graphs = time.time(), compile_seconds(), graph_cache_counts()
+        kernels = kernel_compile_seconds()
         if kind.uses_model:
             layout, slot = self.plan[call.name].layout, self.slots[call.model]
             model = slot.model_for(layout)
@@ -180,6 +190,9 @@ class Run:
         compiled = compile_seconds() - compiled
         if compiled > 0:  # torch.compile at work inside the call (first use, or a recompile)
             report.metrics[f"time/compile/{call.name}"] = compiled
+            hits, misses = (after - before for after, before in zip(graph_cache_counts(), graphs))
+            report.metrics[f"compile/{call.name}/graphs_cached"] = float(hits)  # found in the compile cache
+            report.metrics[f"compile/{call.name}/graphs_built"] = float(misses)
         kernels = kernel_compile_seconds() - kernels
         if kernels > 0:  # shardflow's Triton kernels compiled at their first launch
             report.metrics[f"time/jit/{call.name}"] = kernels

@@ -19,7 +19,8 @@ the same batch sizes in the same order, so the collectives inside the graphs mat
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Sequence
+import contextlib
+from typing import Callable, Hashable, Iterator, Sequence
 
 import torch
 
@@ -119,24 +120,40 @@ class DecodeRunner:
         True if it was captured. The loaded rows are kept."""
         if not self.use_graphs or (n, mode) in self.graphs:
             return False
-        live = self.ints.clone(), self.floats.clone()
-        self._capture(n, mode)
-        self.ints.copy_(live[0])
-        self.floats.copy_(live[1])
+        with self._rows_kept():
+            self._capture(n, mode)
         return True
 
-    def _capture(self, n: int, mode: Mode) -> None:
-        # Warm up (and let torch.compile, if used, compile) on dummy rows only: they write the
-        # scratch slot, never a real request's cache.
+    def warm(self, n: int, mode: Mode) -> None:
+        """Run the step of ``n`` rows and ``mode`` once on dummy rows (torch.compile, if used,
+        compiles it), capturing nothing. The loaded rows are kept."""
+        with self._rows_kept():
+            self._dummy_steps(n, mode, 1)
+
+    @contextlib.contextmanager
+    def _rows_kept(self) -> Iterator[None]:
+        live = self.ints.clone(), self.floats.clone()
+        yield
+        self.ints.copy_(live[0])
+        self.floats.copy_(live[1])
+
+    def _dummy_steps(self, n: int, mode: Mode, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Dummy rows only: they write the scratch slot, never a real request's cache. Returns the
+        # buffers' first n rows, holding the dummy rows' next inputs.
         self.ints[:, :n].copy_(self._pad_ints[:, :n])
         self.floats[:, :n].copy_(self._pad_floats[:, :n])
         ints, floats = self.ints[:, :n], self.floats[:, :n]
+        for _ in range(count):
+            tokens, _ = self.step(ints, floats, mode)
+            advance(ints, tokens, self.scratch_slot)
+        return ints, floats
+
+    def _capture(self, n: int, mode: Mode) -> None:
+        # Warm up (and let torch.compile, if used, compile) off the capturing stream.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(2):
-                tokens, _ = self.step(ints, floats, mode)
-                advance(ints, tokens, self.scratch_slot)
+            ints, floats = self._dummy_steps(n, mode, 2)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of other threads (the NCCL watchdog) do not break the capture.

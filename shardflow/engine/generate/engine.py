@@ -517,6 +517,28 @@ class GenerationEngine:
         shares = shared and self.config.share_prompt_kv
         return sum(self.decode.capture(n, (mode, shares)) for n in buckets for mode in modes)
 
+    def compile_steps(self, batch: int, modes: Sequence[str], *, shared: bool = False,
+                      varying: bool = True) -> list[int]:
+        """Compile the decode steps that a generate call whose first step holds ``batch`` rows
+        runs, for the sampling ``modes`` (rows reading shared prompts where ``shared``): the first
+        step's, and with ``varying`` (rows finish at different steps) the two that dynamo compiles
+        as the batch shrinks (its size dynamic, then one row); nothing is captured. Returns the
+        batch sizes run; none without ``compile``."""
+        if not self.config.compile:
+            return []
+        first = self.decode.bucket(min(batch, self.decode.buckets[-1]))
+        sizes = [first]
+        if varying and first > 2:
+            sizes.append(self.decode.bucket(first // 2))
+        if varying and first > 1:
+            sizes.append(1)
+        shares = shared and self.config.share_prompt_kv
+        with torch.no_grad():  # as ``generate``: the grad mode is part of what compiles
+            for n in sizes:
+                for mode in modes:
+                    self.decode.warm(n, (mode, shares))
+        return sizes
+
     def _graph_key(self, rows: list[Request]) -> tuple[str, bool]:
         """What a decode step is specialised (and its graph captured) for: the rows' sampling mode,
         and whether any row reads a shared prompt; a step where none does skips the prompt kernel."""

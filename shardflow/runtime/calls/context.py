@@ -14,6 +14,7 @@ from typing import Any
 from shardflow.config.experiment import ExperimentConfig
 from shardflow.data.batch import SequenceBatch
 from shardflow.data.prompts import Prompt
+from shardflow.engine.generate.precompile import Helper
 from shardflow.models.transformer import Transformer
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
@@ -74,6 +75,7 @@ class RunState:
     engines: dict[str, Any] = field(default_factory=dict)  # generate call -> its engine or adaptive generator
     predictor_states: dict[str, dict] = field(default_factory=dict)  # restored, applied when a generator is built
     workers: WorkerPool | None = None  # rewards and environments beside decoding (holders of rollouts)
+    precompile: Helper | None = None  # the decode steps compiled in a helper process (until the first engine)
 
     def worker_pool(self, size: int) -> WorkerPool:
         """The rank's worker pool, started on first use and kept for the run."""
@@ -82,6 +84,9 @@ class RunState:
         return self.workers
 
     def close(self) -> None:
+        if self.precompile is not None:
+            self.precompile.stop()
+            self.precompile = None
         if self.workers is not None:
             self.workers.close()
             self.workers = None

@@ -23,7 +23,7 @@ from shardflow.config.model import ModelConfig
 from shardflow.data.batch import SequenceBatch
 from shardflow.data.prompts import Prompt
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
-from shardflow.engine.generate import kernel_warmup
+from shardflow.engine.generate import kernel_warmup, precompile
 from shardflow.engine.generate.engine import EngineConfig, GenerationEngine, GenerationStats
 from shardflow.engine.generate.episodes import Episodes, run_episodes
 from shardflow.engine.generate.replicas import replica_share
@@ -70,6 +70,23 @@ def compile_kernels_ahead(config: ExperimentConfig, layout: Layout, cfg: ModelCo
                         shared_prompts=gen.samples_per_prompt > 1)
 
 
+def precompile_job(config: ExperimentConfig, layout: Layout, cfg: ModelConfig, world: World, dtype: torch.dtype, *,
+                   greedy: bool) -> precompile.Job | None:
+    """The decode steps that this rank's first generate call in ``layout`` (``greedy``: the call's
+    ``greedy``) compiles, for a helper process to compile ahead (``engine.generate.precompile``);
+    None where none does: ``generation.compile_ahead`` off, an engine that does not compile (CPU,
+    tp > 1), or a rank other than the layout's first (its ranks compile the same steps into the
+    machine's one cache)."""
+    gen = config.generation
+    engine = engine_config(config, layout, config.algorithm.batch_size, world.device)
+    if not (gen.compile_ahead and engine.compile and world.rank == layout.ranks[0]):
+        return None
+    return precompile.Job(cfg=cfg, shard=shard_for(cfg, layout, world.rank), engine=engine, device=str(world.device),
+                          dtype=dtype, batch=-(-config.algorithm.batch_size // layout.dp) * gen.samples_per_prompt,
+                          modes=(batch_mode([0.0 if greedy else gen.temperature], [gen.top_k], [gen.top_p]),),
+                          shared=gen.samples_per_prompt > 1, varying=not gen.force_length)
+
+
 def generation_requests(config: ExperimentConfig, prompts: list[Prompt], iteration: int, *,
                         greedy: bool = False, round: int = 0, sampling: Sampling | None = None) -> list[Request]:
     """The requests of one generate call: the same ids for every call of an iteration, so that a
@@ -104,6 +121,9 @@ def _engine(ctx: CallContext, adaptive: bool) -> Any:
     current = engine.models[ctx.layout] if isinstance(engine, AdaptiveGenerator) else getattr(engine, "model", None)
     if engine is not None and current is model:
         return engine
+    if ctx.state.precompile is not None:  # its graphs are in the cache, its memory free, when it ends
+        ctx.report.metrics[f"time/precompile_wait/{ctx.call.name}"] = ctx.state.precompile.wait()
+        ctx.state.precompile = None
     config = engine_config(ctx.config, ctx.layout, ctx.config.algorithm.batch_size, ctx.world.device)
     if adaptive:
         engine = adaptive_generator(ctx.world, model, ctx.plan[name].tp_targets, ctx.config.generation.adaptive,

@@ -1,0 +1,202 @@
+"""The decode step compiled in a helper process while the run sets up.
+
+A run on a cold compile cache compiles its decode step's graphs (the layer, the step's start and
+end, the sampler's pick) inside its first generate call: 9-10 s of the first iteration on a fresh
+H100, after a setup that compiled the training layers. One process cannot overlap the two: dynamo
+compiles one frame at a time (a process-wide lock), and tracing holds the interpreter. A second
+process can. ``start`` launches ``python -m shardflow.engine.generate.precompile`` with the
+engines' settings; it builds the model's shapes with zeroed weights (one layer per distinct
+attention window, a KV cache of a few blocks), compiles the steps that the first generate call
+will run (``GenerationEngine.compile_steps``) and exits. Its graphs and kernels land in the compile
+cache (inductor's graph cache, AOTAutograd's, Triton's), keyed by content, where the run's own
+compilation of the same graphs finds them: the run still traces them, but lowers and builds
+nothing.
+
+The run waits for the helper before it builds its engine (``Helper.wait``): the helper's device
+memory is free again before the KV cache is sized, and graphs half built are not built twice. A
+helper that fails, or runs past its time, costs the wait and a warning; the run compiles what it
+did not.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from shardflow.config.model import ModelConfig
+from shardflow.engine.compile_cache import start_compile_workers, use_compile_cache
+from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
+from shardflow.engine.generate.kv_cache import block_layout, bytes_per_position
+from shardflow.models.transformer import build_model
+from shardflow.parallel.sharding import RankShard
+
+logger = logging.getLogger(__name__)
+
+WAIT_SECONDS = 600.0  # the longest a run waits for its helper before stopping it
+
+
+@dataclass(frozen=True)
+class Job:
+    """The decode steps of one engine: its model's shard, settings, device and dtype, the rows of
+    its first step, its sampling modes, whether its rows read shared prompts and whether its batch
+    shrinks as rows finish (see ``GenerationEngine.compile_steps``)."""
+
+    cfg: ModelConfig
+    shard: RankShard
+    engine: EngineConfig
+    device: str
+    dtype: torch.dtype
+    batch: int
+    modes: tuple[str, ...]
+    shared: bool
+    varying: bool
+
+
+class Helper:
+    """A running helper process."""
+
+    def __init__(self, process: subprocess.Popen, log: Path):
+        self.process, self.log, self.started = process, log, time.perf_counter()
+
+    def wait(self, timeout: float = WAIT_SECONDS) -> float:
+        """Wait for the helper to end, at most ``timeout`` seconds (then stop it); log how it ended.
+        Returns the seconds waited."""
+        waited = time.perf_counter()
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            logger.warning(f"compiling the decode step ahead ran past {timeout:.0f} s and was stopped (it "
+                           f"compiles at first use); its log: {self.log}")
+            return time.perf_counter() - waited
+        seconds = time.perf_counter() - self.started
+        if code == 0:
+            logger.info(f"the decode step compiled ahead in a helper process in {seconds:.1f} s")
+        else:
+            logger.warning(f"compiling the decode step ahead failed (exit code {code}; it compiles at first "
+                           f"use); its log: {self.log}")
+        return time.perf_counter() - waited
+
+    def stop(self) -> None:
+        """End the helper if it still runs."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def merged(jobs: Sequence[Job]) -> list[Job]:
+    """``jobs``, those that differ only in their modes as one (an engine's sampled and greedy calls)."""
+    out: list[Job] = []
+    for job in jobs:
+        for i, other in enumerate(out):
+            if dataclasses.replace(other, modes=job.modes) == job:
+                out[i] = dataclasses.replace(other, modes=tuple(dict.fromkeys(other.modes + job.modes)))
+                break
+        else:
+            out.append(job)
+    return out
+
+
+def start(jobs: Sequence[Job], compile_cache: str, log: Path) -> Helper:
+    """Launch a helper compiling ``jobs`` in turn (``merged``) into ``compile_cache``
+    (``run.compile_cache``: the caller's cache, already in use), its output to ``log``. The helper
+    ends with this process."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    job_file = log.with_suffix(".jobs")
+    job_file.write_bytes(pickle.dumps((merged(jobs), compile_cache)))
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[3])  # where this process found shardflow
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    # Its Triton builds run beside the run's own compilation: half the cores.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, min(32, cores) // 2)))
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", __name__, str(job_file)], stdout=out,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    helper = Helper(process, log)
+    atexit.register(helper.stop)
+    return helper
+
+
+def compile_job(job: Job) -> list[int]:
+    """Compile one job's decode steps in this process; returns the batch sizes compiled."""
+    device = torch.device(job.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    shard = dataclasses.replace(job.shard, layers=_layer_per_window(job.cfg, job.shard.layers))
+    model = build_model(job.cfg, shard, None, device, job.dtype)
+    with torch.no_grad():
+        for p in model.parameters():  # uninitialised memory could hold NaNs; zeros sample valid tokens
+            p.zero_()
+    engine = GenerationEngine(model, dataclasses.replace(job.engine, kv_cache_bytes=_small_cache(job, shard)))
+    return engine.compile_steps(job.batch, job.modes, shared=job.shared, varying=job.varying)
+
+
+def _layer_per_window(cfg: ModelConfig, layers: Sequence[int]) -> tuple[int, ...]:
+    """The first of ``layers`` with each attention window: the decode layer compiles once per window."""
+    first: dict[int | None, int] = {}
+    for i in layers:
+        first.setdefault(cfg.sliding_windows[i], i)
+    return tuple(sorted(first.values()))
+
+
+def _small_cache(job: Job, shard: RankShard) -> int:
+    """Bytes of a KV cache with the slots of the job's engine (every slot is a graph input's row)
+    and, paged, the fewest blocks it takes. The cache's block count is a dynamic size of the
+    compiled graphs: it must not equal the block size (dynamo would take them for one size)."""
+    config, cfg = job.engine, job.cfg
+    max_len = (config.max_seq_len or cfg.max_position_embeddings) - 1  # as ``GenerationEngine.reset_cache``
+    positions, per_slot = block_layout(max_len, config.kv_block_size)
+    per_block = bytes_per_position(shard, cfg, job.dtype) * positions
+    if positions == max_len:  # contiguous: a block per slot, and the scratch slot
+        return (config.max_batch_size + 2) * per_block
+    blocks = per_slot + 1
+    if blocks + 1 == positions:  # with the scratch block
+        blocks += 1
+    return (blocks + 1) * per_block
+
+
+def _end_with_parent() -> None:
+    """Exit when the process that started this one is gone (a run that crashed or was stopped)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="shardflow-precompile-parent").start()
+
+
+def main(argv: Sequence[str]) -> int:
+    _end_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    jobs, compile_cache = pickle.loads(Path(argv[0]).read_bytes())
+    use_compile_cache(compile_cache)
+    start_compile_workers()
+    for job in jobs:
+        started = time.perf_counter()
+        sizes = compile_job(job)
+        logger.info(f"compiled the decode steps of {job.cfg.num_layers}-layer {job.cfg.hidden_size}-wide model, "
+                    f"batches {sizes}, modes {list(job.modes)}, in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,157 @@
+"""The decode step compiled ahead in a helper process (``engine.generate.precompile``): what it
+compiles lands in the compile cache where the run's own compilation of the same steps finds it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from gen_helpers import prompts
+
+from shardflow.config.load import load_config
+from shardflow.config.model import ModelConfig
+from shardflow.engine.compile_cache import graph_cache_counts, use_compile_cache
+from shardflow.engine.generate import precompile
+from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
+from shardflow.engine.generate.requests import SamplingParams, make_requests
+from shardflow.models.tiny import tiny_hf_config
+from shardflow.models.transformer import build_model
+from shardflow.parallel.layout import Layout
+from shardflow.parallel.sharding import shard_for
+from shardflow.parallel.world import World
+from shardflow.runtime.calls.generate import precompile_job
+
+GREEDY = SamplingParams(max_new_tokens=5, temperature=0.0)
+
+
+def tiny_job(**engine) -> precompile.Job:
+    cfg = ModelConfig.from_hf_dict(tiny_hf_config("qwen3", tie_word_embeddings=True).to_dict())
+    config = EngineConfig(max_seq_len=48, max_batch_size=8, compile=True, kv_block_size=16, **engine)
+    return precompile.Job(cfg=cfg, shard=shard_for(cfg, Layout((0,)), 0), engine=config, device="cpu",
+                          dtype=torch.float32, batch=6, modes=("greedy",), shared=True, varying=False)
+
+
+def test_the_run_compiles_from_the_cache_that_the_helper_filled(tmp_path, monkeypatch):
+    """The helper's model has other weights, fewer layers and a smaller KV cache than the run's:
+    none of it is part of what the compile cache keys, so the run's compilation of its first steps
+    (two samples of three prompts, sharing their prompts' blocks) builds no graph; its tokens are
+    the eager engine's."""
+    job = tiny_job()
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        use_compile_cache(str(tmp_path / "cache"))  # as the run does before it starts the helper
+        helper = precompile.start([job], str(tmp_path / "cache"), tmp_path / "logs" / "precompile.log")
+        helper.wait()
+        assert helper.process.returncode == 0, (tmp_path / "logs" / "precompile.log").read_text()
+
+        torch.manual_seed(0)
+        model = build_model(job.cfg, job.shard, None, "cpu", torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.3)
+        eager = GenerationEngine(model, dataclasses.replace(job.engine, compile=False))
+        expected = [r.output_ids for r in eager.generate(make_requests(prompts(lengths=(20, 17, 21)), GREEDY, 2))]
+        torch._dynamo.reset()
+        hits, misses = graph_cache_counts()
+        engine = GenerationEngine(model, job.engine)
+        got = [r.output_ids for r in engine.generate(make_requests(prompts(lengths=(20, 17, 21)), GREEDY, 2))]
+        cached, built = (after - before for after, before in zip(graph_cache_counts(), (hits, misses)))
+        torch._dynamo.reset()
+    assert got == expected
+    assert (cached, built) == (4, 0)  # the layer, the step's start and end, the sampler's pick
+
+
+def test_the_steps_compiled_are_those_of_the_first_batch_and_of_a_shrinking_one():
+    job = tiny_job()
+    model = build_model(job.cfg, job.shard, None, "cpu", torch.float32)
+    engine = GenerationEngine(model, job.engine)
+    warmed = []
+    engine.decode.warm = lambda n, key: warmed.append((n, key))
+    assert engine.compile_steps(6, ["sample", "greedy"], shared=True, varying=False) == [6]  # no graphs: no padding
+    assert warmed == [(6, ("sample", True)), (6, ("greedy", True))]
+    assert engine.compile_steps(6, ["sample"], varying=True) == [6, 3, 1]
+    engine.decode.pad = True  # as with CUDA graphs: batches padded to their bucket of 1, 2, 4, 8 rows
+    assert engine.compile_steps(6, ["sample"], varying=False) == [8]
+    assert engine.compile_steps(8, ["sample"], varying=True) == [8, 4, 1]  # dynamic batch, then one row
+    assert engine.compile_steps(3, ["sample"], varying=True) == [4, 2, 1]
+    assert engine.compile_steps(2, ["sample"], varying=True) == [2, 1]
+    assert engine.compile_steps(1, ["sample"], varying=True) == [1]
+    assert engine.compile_steps(100, ["sample"], varying=False) == [8]  # at most the engine's slots
+    plain = GenerationEngine(model, dataclasses.replace(job.engine, compile=False))
+    assert plain.compile_steps(8, ["sample"]) == []
+
+
+def test_the_helper_takes_a_layer_per_window_and_a_cache_of_few_blocks():
+    job = tiny_job()
+    cfg = dataclasses.replace(job.cfg, num_layers=5, sliding_windows=(None, 16, None, 16, 32))
+    assert precompile._layer_per_window(cfg, range(5)) == (0, 1, 4)
+    shard = dataclasses.replace(job.shard, layers=(0,))
+    per_block = 2 * job.cfg.num_kv_heads * job.cfg.head_dim * 4 * 16
+    assert precompile._small_cache(job, shard) == (3 + 1 + 1) * per_block  # 47 positions: 3 blocks a slot
+    # a block count equal to the block size (the scratch block's included) would be one size to dynamo
+    long = dataclasses.replace(job, engine=dataclasses.replace(job.engine, max_seq_len=16 * 14 + 1))
+    assert precompile._small_cache(long, shard) == (14 + 2 + 1) * per_block
+    contiguous = dataclasses.replace(job, engine=dataclasses.replace(job.engine, kv_block_size=None))
+    assert precompile._small_cache(contiguous, shard) == (8 + 2) * per_block // 16 * 47
+
+
+def test_a_failing_or_slow_helper_costs_a_warning(tmp_path, caplog):
+    log = tmp_path / "precompile.log"
+    with caplog.at_level(logging.WARNING):
+        failing = precompile.start([dataclasses.replace(tiny_job(), device="cuda:7")], "", log)
+        failing.wait()
+    assert failing.process.returncode != 0 and "Error" in log.read_text()
+    assert f"compiling the decode step ahead failed (exit code {failing.process.returncode}" in caplog.text
+    assert str(log) in caplog.text
+    caplog.clear()
+    slow = precompile.Helper(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]), log)
+    with caplog.at_level(logging.WARNING):
+        slow.wait(timeout=0.5)
+    assert slow.process.poll() is not None
+    assert "ran past 0 s and was stopped" in caplog.text
+
+
+def test_jobs_of_one_engine_merge_their_modes():
+    job = tiny_job()
+    greedy, sample = job, dataclasses.replace(job, modes=("sample",))
+    other = dataclasses.replace(job, batch=4)
+    assert precompile.merged([greedy, sample, other, sample]) == [
+        dataclasses.replace(job, modes=("greedy", "sample")), other]
+
+
+@pytest.fixture
+def gpu_config(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump({"models": {"actor": {"path": "m"}}, "data": {"path": "d.jsonl"},
+                                    "generation": {"samples_per_prompt": 4}, "algorithm": {"batch_size": 6}}))
+    return path
+
+
+def test_the_first_rank_of_a_compiled_layout_compiles_ahead(gpu_config):
+    """The job is the engine's: decided from the settings alone (no device is touched)."""
+    cfg = tiny_job().cfg
+    config = load_config(gpu_config)
+    cuda = torch.device("cuda", 0)
+    layout = Layout((0, 1), dp=2)
+    job = precompile_job(config, layout, cfg, World(rank=0, size=2, device=cuda, backend="nccl"), torch.bfloat16,
+                         greedy=False)
+    assert (job.batch, job.modes, job.shared, job.varying) == (12, ("sample",), True, True)  # 3 prompts x 4
+    assert job.engine.compile and job.shard.layers == tuple(range(cfg.num_layers)) and job.device == "cuda:0"
+    greedy = precompile_job(load_config(gpu_config, ["generation.force_length=true"]), layout, cfg,
+                            World(rank=0, size=2, device=cuda, backend="nccl"), torch.bfloat16, greedy=True)
+    assert (greedy.modes, greedy.varying) == (("greedy",), False)
+    for config, layout, rank, device in [
+        (config, layout, 1, cuda),  # the layout's first rank compiles for it
+        (config, Layout((0, 1), tp=2), 0, cuda),  # tp > 1 does not compile
+        (config, layout, 0, torch.device("cpu")),
+        (load_config(gpu_config, ["generation.compile_ahead=false"]), layout, 0, cuda),
+        (load_config(gpu_config, ["generation.compile=false"]), layout, 0, cuda),
+    ]:
+        world = World(rank=rank, size=2, device=device, backend="nccl")
+        assert precompile_job(config, layout, cfg, world, torch.bfloat16, greedy=False) is None
