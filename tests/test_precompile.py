@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from gen_helpers import prompts
 from shardflow.config.load import load_config
 from shardflow.config.model import ModelConfig
 from shardflow.engine.compile_cache import graph_cache_counts, use_compile_cache
-from shardflow.engine.generate import precompile
+from shardflow.engine.generate import precompile, precompile_launch
 from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
 from shardflow.engine.generate.requests import SamplingParams, make_requests
 from shardflow.models.tiny import tiny_hf_config
@@ -45,10 +46,12 @@ def test_the_run_compiles_from_the_cache_that_the_helper_filled(tmp_path, monkey
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        use_compile_cache(str(tmp_path / "cache"))  # as the run does before it starts the helper
-        helper = precompile.start([job], str(tmp_path / "cache"), tmp_path / "logs" / "precompile.log")
+        assert precompile_launch.prestart(force=True)  # as ``shardflow train`` does before its imports
+        use_compile_cache(str(tmp_path / "cache"))  # as the run does before it hands the helper its jobs
+        helper = precompile_launch.start([job], str(tmp_path / "cache"), tmp_path / "logs" / "precompile.log")
         helper.wait()
         assert helper.process.returncode == 0, (tmp_path / "logs" / "precompile.log").read_text()
+        assert "compiled the decode steps" in (tmp_path / "logs" / "precompile.log").read_text()
 
         torch.manual_seed(0)
         model = build_model(job.cfg, job.shard, None, "cpu", torch.float32)
@@ -101,16 +104,24 @@ def test_the_helper_takes_a_layer_per_window_and_a_cache_of_few_blocks():
     assert precompile._small_cache(contiguous, shard) == (8 + 2) * per_block // 16 * 47
 
 
+def test_a_helper_with_no_jobs_goes_away():
+    assert precompile_launch.prestart(force=True)
+    assert not precompile_launch.prestart(force=True)  # one at a time
+    waiting = precompile_launch._waiting[0]
+    assert precompile_launch.start([], "", Path("unused")) is None
+    assert waiting.wait(60) == 0
+
+
 def test_a_failing_or_slow_helper_costs_a_warning(tmp_path, caplog):
     log = tmp_path / "precompile.log"
-    with caplog.at_level(logging.WARNING):
-        failing = precompile.start([dataclasses.replace(tiny_job(), device="cuda:7")], "", log)
+    with caplog.at_level(logging.WARNING):  # no helper waits: a new one is started with its jobs
+        failing = precompile_launch.start([dataclasses.replace(tiny_job(), device="cuda:7")], "", log)
         failing.wait()
     assert failing.process.returncode != 0 and "Error" in log.read_text()
     assert f"compiling the decode step ahead failed (exit code {failing.process.returncode}" in caplog.text
     assert str(log) in caplog.text
     caplog.clear()
-    slow = precompile.Helper(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]), log)
+    slow = precompile_launch.Helper(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]), log)
     with caplog.at_level(logging.WARNING):
         slow.wait(timeout=0.5)
     assert slow.process.poll() is not None

@@ -14,6 +14,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from shardflow.engine.generate import precompile_launch
 from shardflow.parallel.failures import RankFailed
 from shardflow.parallel.logs import setup_logging
 
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     only = next((a for a in argv if not a.startswith("-")), None)
+    if only == "train" and not {"-h", "--help"} & set(argv):
+        precompile_launch.prestart()  # its start overlaps the imports below (a GPU's runs: see the module)
     args = build_parser(only if only in COMMANDS else "").parse_args(argv)
     setup_logging(args.log_level)
     try:

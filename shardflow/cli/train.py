@@ -17,6 +17,7 @@ import logging
 from shardflow.config.experiment import ExperimentConfig
 from shardflow.config.load import load_config, merge, parse_override
 from shardflow.config.schema import describe
+from shardflow.engine.generate import precompile_launch
 from shardflow.parallel.launch import launch
 from shardflow.plan.execution_plan import PLAN_FILE_FORMAT
 from shardflow.rl.advantages import ADVANTAGES
@@ -89,6 +90,8 @@ def train(config: ExperimentConfig) -> None:
                 f"{config.run.iterations} iterations, output in {out}")
     for name, cp in prepared.plan.calls.items():
         logger.info(f"  {name:<14} {cp.layout}")
+    if config.run.devices > 1:  # ranks in processes of their own start their own helpers
+        precompile_launch.release()
     launch(train_rank, config.run.devices, prepared, backend=prepared.backend, log_dir=out / "logs")
     saved = f", checkpoints in {out / 'checkpoints'}" if config.run.checkpoints else ""
     logger.info(f"done: metrics in {out / 'metrics.jsonl'}{saved}, logs in {out / 'logs'}")

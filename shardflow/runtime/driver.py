@@ -31,7 +31,7 @@ from shardflow.data.batch import SequenceBatch
 from shardflow.data.prompts import PromptSampler, completion_batch
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
 from shardflow.engine.adaptive.trace import GenerationTrace, plot_trace
-from shardflow.engine.generate import precompile
+from shardflow.engine.generate import precompile, precompile_launch
 from shardflow.engine.compile_cache import (
     compile_seconds,
     graph_cache_counts,
@@ -92,14 +92,14 @@ class Run:
         specs = {role: model_spec(config, role, resume_dir, self.graph.train_call(role) is not None)
                  for role in self.graph.models()}
         generates = [c for c in self.graph.calls if c.kind is Kind.GENERATE and world.rank in self.plan[c.name].layout]
-        helper = None
+        jobs = []  # the decode steps, compiled in a helper process while this one sets up
         if world.device.type == "cuda":  # where torch.compile runs
             use_compile_cache(config.run.compile_cache)
             jobs = [precompile_job(config, self.plan[c.name].layout, prepared.models[c.model], world,
                                    compute_dtype(specs[c.model], world.device), greedy=c.greedy) for c in generates]
-            if any(jobs):  # the decode steps, compiled in a helper process while this one sets up
-                helper = precompile.start([j for j in jobs if j], config.run.compile_cache,
-                                          Path(self.out_dir) / "logs" / f"precompile-rank{world.rank}.log")
+        helper = precompile_launch.start(precompile.merged([j for j in jobs if j]), config.run.compile_cache,
+                                         Path(self.out_dir) / "logs" / f"precompile-rank{world.rank}.log")
+        if world.device.type == "cuda":
             start_compile_workers()
         world.create_groups(self.plan.layouts())
         world.groups.create(communication_groups(self.graph, self.plan))

@@ -1,31 +1,28 @@
 """The decode step compiled in a helper process while the run sets up.
 
 A run on a cold compile cache compiles its decode step's graphs (the layer, the step's start and
-end, the sampler's pick) inside its first generate call: 9-10 s of the first iteration on a fresh
-H100, after a setup that compiled the training layers. One process cannot overlap the two: dynamo
+end, the sampler's pick) inside its first generate call: 7-10 s of the first iteration on an H100,
+after a setup that compiled the training layers. One process cannot overlap the two: dynamo
 compiles one frame at a time (a process-wide lock), and tracing holds the interpreter. A second
-process can. ``start`` launches ``python -m shardflow.engine.generate.precompile`` with the
-engines' settings; it builds the model's shapes with zeroed weights (one layer per distinct
+process can: ``python -m shardflow.engine.generate.precompile``, started and handed its jobs by
+``precompile_launch``. It builds the model's shapes with zeroed weights (one layer per distinct
 attention window, a KV cache of a few blocks), compiles the steps that the first generate call
 will run (``GenerationEngine.compile_steps``) and exits. Its graphs and kernels land in the compile
 cache (inductor's graph cache, AOTAutograd's, Triton's), keyed by content, where the run's own
 compilation of the same graphs finds them: the run still traces them, but lowers and builds
 nothing.
 
-The run waits for the helper before it builds its engine (``Helper.wait``): the helper's device
-memory is free again before the KV cache is sized, and graphs half built are not built twice. A
-helper that fails, or runs past its time, costs the wait and a warning; the run compiles what it
-did not.
-"""
+The run waits for the helper before it builds its engine (``precompile_launch.Helper.wait``): the
+helper's device memory is free again before the KV cache is sized, and graphs half built are not
+built twice. A helper that fails, or runs past its time, costs the wait and a warning; the run
+compiles what it did not."""
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import os
 import pickle
-import subprocess
 import sys
 import threading
 import time
@@ -39,12 +36,13 @@ from shardflow.config.model import ModelConfig
 from shardflow.engine.compile_cache import start_compile_workers, use_compile_cache
 from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
 from shardflow.engine.generate.kv_cache import block_layout, bytes_per_position
+from shardflow.models import compile_settings
 from shardflow.models.transformer import build_model
 from shardflow.parallel.sharding import RankShard
 
 logger = logging.getLogger(__name__)
 
-WAIT_SECONDS = 600.0  # the longest a run waits for its helper before stopping it
+SERVE_SECONDS = 900.0  # the longest a helper started ahead waits for its jobs
 
 
 @dataclass(frozen=True)
@@ -64,42 +62,6 @@ class Job:
     varying: bool
 
 
-class Helper:
-    """A running helper process."""
-
-    def __init__(self, process: subprocess.Popen, log: Path):
-        self.process, self.log, self.started = process, log, time.perf_counter()
-
-    def wait(self, timeout: float = WAIT_SECONDS) -> float:
-        """Wait for the helper to end, at most ``timeout`` seconds (then stop it); log how it ended.
-        Returns the seconds waited."""
-        waited = time.perf_counter()
-        try:
-            code = self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            logger.warning(f"compiling the decode step ahead ran past {timeout:.0f} s and was stopped (it "
-                           f"compiles at first use); its log: {self.log}")
-            return time.perf_counter() - waited
-        seconds = time.perf_counter() - self.started
-        if code == 0:
-            logger.info(f"the decode step compiled ahead in a helper process in {seconds:.1f} s")
-        else:
-            logger.warning(f"compiling the decode step ahead failed (exit code {code}; it compiles at first "
-                           f"use); its log: {self.log}")
-        return time.perf_counter() - waited
-
-    def stop(self) -> None:
-        """End the helper if it still runs."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
 def merged(jobs: Sequence[Job]) -> list[Job]:
     """``jobs``, those that differ only in their modes as one (an engine's sampled and greedy calls)."""
     out: list[Job] = []
@@ -111,27 +73,6 @@ def merged(jobs: Sequence[Job]) -> list[Job]:
         else:
             out.append(job)
     return out
-
-
-def start(jobs: Sequence[Job], compile_cache: str, log: Path) -> Helper:
-    """Launch a helper compiling ``jobs`` in turn (``merged``) into ``compile_cache``
-    (``run.compile_cache``: the caller's cache, already in use), its output to ``log``. The helper
-    ends with this process."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    job_file = log.with_suffix(".jobs")
-    job_file.write_bytes(pickle.dumps((merged(jobs), compile_cache)))
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[3])  # where this process found shardflow
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    # Its Triton builds run beside the run's own compilation: half the cores.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, min(32, cores) // 2)))
-    with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", __name__, str(job_file)], stdout=out,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-    helper = Helper(process, log)
-    atexit.register(helper.stop)
-    return helper
 
 
 def compile_job(job: Job) -> list[int]:
@@ -185,15 +126,33 @@ def _end_with_parent() -> None:
 
 
 def main(argv: Sequence[str]) -> int:
+    """``JOBS``: compile the jobs in that file; ``--serve JOBS``: load the compiler, then wait for
+    that file to appear (``precompile_launch``)."""
     _end_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    jobs, compile_cache = pickle.loads(Path(argv[0]).read_bytes())
-    use_compile_cache(compile_cache)
+    path = Path(argv[-1])
+    if argv[0] == "--serve":
+        compile_settings.apply()  # imports dynamo and inductor while the run imports its own libraries
+        waited = time.perf_counter()
+        while not path.exists():
+            if time.perf_counter() - waited > SERVE_SECONDS:
+                return 0
+            time.sleep(0.02)
+    given = pickle.loads(path.read_bytes())
+    path.unlink(missing_ok=True)
+    if not given["jobs"]:
+        return 0
+    if argv[0] == "--serve":  # from now on into the run's log
+        log = os.open(given["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        path.with_suffix(".log").unlink(missing_ok=True)  # what it wrote while it waited
+    use_compile_cache(given["compile_cache"])
     start_compile_workers()
-    for job in jobs:
+    for job in given["jobs"]:
         started = time.perf_counter()
         sizes = compile_job(job)
-        logger.info(f"compiled the decode steps of {job.cfg.num_layers}-layer {job.cfg.hidden_size}-wide model, "
+        logger.info(f"compiled the decode steps of a {job.cfg.num_layers}-layer, {job.cfg.hidden_size}-wide model, "
                     f"batches {sizes}, modes {list(job.modes)}, in {time.perf_counter() - started:.1f} s")
     return 0
 

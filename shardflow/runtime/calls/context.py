@@ -14,7 +14,7 @@ from typing import Any
 from shardflow.config.experiment import ExperimentConfig
 from shardflow.data.batch import SequenceBatch
 from shardflow.data.prompts import Prompt
-from shardflow.engine.generate.precompile import Helper
+from shardflow.engine.generate.precompile_launch import Helper
 from shardflow.models.transformer import Transformer
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World

@@ -1,0 +1,143 @@
+"""Starting the helper process that compiles the decode step ahead (``engine.generate.precompile``).
+
+The helper's own start (an interpreter, torch, the compiler: 10-13 s on a fresh machine) is as long
+as the run's setup that it should overlap. So ``shardflow train`` starts one before it imports
+anything heavy (``prestart``): it imports what compiling takes and waits for its jobs, which the run
+hands it once its setup knows them (``start``), or none (it exits). Without a waiting helper
+(ranks in processes of their own, ``prestart`` not called) ``start`` launches one with its jobs.
+
+Standard library only: the command line imports this before torch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+logger = logging.getLogger(__name__)
+
+HELPER = "shardflow.engine.generate.precompile"
+WAIT_SECONDS = 600.0  # the longest a run waits for its helper before stopping it
+
+
+class Helper:
+    """A helper process at work on its jobs."""
+
+    def __init__(self, process: subprocess.Popen, log: Path):
+        self.process, self.log, self.started = process, log, time.perf_counter()
+
+    def wait(self, timeout: float = WAIT_SECONDS) -> float:
+        """Wait for the helper to end, at most ``timeout`` seconds (then stop it); log how it ended.
+        Returns the seconds waited."""
+        waited = time.perf_counter()
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            logger.warning(f"compiling the decode step ahead ran past {timeout:.0f} s and was stopped (it "
+                           f"compiles at first use); its log: {self.log}")
+            return time.perf_counter() - waited
+        if code == 0:
+            logger.info(f"the decode step compiled ahead in a helper process in "
+                        f"{time.perf_counter() - self.started:.1f} s after its jobs")
+        else:
+            logger.warning(f"compiling the decode step ahead failed (exit code {code}; it compiles at first "
+                           f"use); its log: {self.log}")
+        return time.perf_counter() - waited
+
+    def stop(self) -> None:
+        """End the helper if it still runs."""
+        _stop(self.process)
+
+
+_waiting: tuple[subprocess.Popen, Path] | None = None  # a helper waiting for its jobs, and their file
+
+
+def prestart(*, force: bool = False) -> bool:
+    """Start a helper that waits for its jobs, where an NVIDIA GPU is visible to this process
+    (``force``: anywhere) and no launcher made it one rank of several; True if started."""
+    global _waiting
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpu = os.path.exists("/proc/driver/nvidia/version") and visible not in ("", "-1")
+    if _waiting is not None or not (force or (gpu and int(os.environ.get("WORLD_SIZE", "1")) == 1)):
+        return False
+    fd, name = tempfile.mkstemp(prefix="shardflow-precompile-", suffix=".jobs")
+    os.close(fd)
+    os.unlink(name)  # its appearance is the signal
+    jobs = Path(name)
+    with open(jobs.with_suffix(".log"), "w") as out:  # until it has jobs (then the run's log)
+        process = subprocess.Popen([sys.executable, "-m", HELPER, "--serve", str(jobs)], stdout=out,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_helper_env())
+    atexit.register(_stop, process)
+    _waiting = (process, jobs)
+    return True
+
+
+def start(jobs: Sequence[Any], compile_cache: str, log: Path) -> Helper | None:
+    """Have a helper compile ``jobs`` (``precompile.Job``s) in turn into ``compile_cache``
+    (``run.compile_cache``: the caller's cache, already in use), its output to ``log``: the helper
+    waiting for them if there is one (an empty list sends it away), else a new one. The helper
+    ends with this process."""
+    if not jobs:
+        release()
+        return None
+    global _waiting
+    waiting, _waiting = _waiting, None
+    if waiting is not None and waiting[0].poll() is not None:  # it died waiting: its log says why
+        logger.debug(f"the waiting precompile helper had exited ({waiting[0].returncode}); see "
+                     f"{waiting[1].with_suffix('.log')}")
+        waiting = None
+    log.parent.mkdir(parents=True, exist_ok=True)
+    if waiting is not None:
+        _hand_over(waiting[1], jobs, compile_cache, log)
+        return Helper(waiting[0], log)
+    job_file = log.with_suffix(".jobs")
+    _hand_over(job_file, jobs, compile_cache, log)
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", HELPER, str(job_file)], stdout=out,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_helper_env())
+    atexit.register(_stop, process)
+    return Helper(process, log)
+
+
+def release() -> None:
+    """Send a waiting helper away (no jobs for it: this process runs no rank that compiles)."""
+    global _waiting
+    waiting, _waiting = _waiting, None
+    if waiting is not None and waiting[0].poll() is None:
+        _hand_over(waiting[1], [], "", Path(os.devnull))
+
+
+def _hand_over(path: Path, jobs: Sequence[Any], compile_cache: str, log: Path) -> None:
+    """Write the jobs whole, then let them appear under ``path`` (a waiting helper reads no half)."""
+    part = path.with_suffix(".part")
+    part.write_bytes(pickle.dumps({"jobs": list(jobs), "compile_cache": compile_cache, "log": str(log)}))
+    os.replace(part, path)
+
+
+def _helper_env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[3])  # where this process found shardflow
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    # Its Triton builds run beside the run's own compilation: half the cores.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, min(32, cores) // 2)))
+    return env
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
