@@ -88,19 +88,25 @@ def test_iteration_summary_splits_generation_time():
     gen = next(c for c in graph.model_calls() if c.kind.name == "GENERATE")
     plan = symmetric_plan(graph, 2)
 
-    def report(setup, prefill, steps):
+    def report(setup, prefill, steps, compiled=None):
         return {gen.name: CallReport(metrics={"generation/tokens": 6.0, "generation/seconds": 1.0,
                                               "generation/setup_seconds": setup,
-                                              "generation/prefill_seconds": prefill},
+                                              "generation/prefill_seconds": prefill,
+                                              **(compiled or {})},
                                      decode_steps=steps, span=(0.0, 1.0))}
 
-    summary = merge_reports([report(0.3, 0.1, [(2, 0.4)]), report(0.1, 0.2, [(2, 0.5), (2, 0.1), (1, 0.2)])],
-                            graph, plan, config)
     name = gen.name
+    first = {f"time/precompile_wait/{name}": 2.5, f"compile/{name}/graphs_cached": 4.0,
+             f"compile/{name}/graphs_built": 1.0}
+    summary = merge_reports([report(0.3, 0.1, [(2, 0.4)], first),
+                             report(0.1, 0.2, [(2, 0.5), (2, 0.1), (1, 0.2)], {f"compile/{name}/graphs_built": 4.0})],
+                            graph, plan, config)
     assert summary[f"time/{name}/setup"] == pytest.approx(0.3)
     assert summary[f"time/{name}/prefill"] == pytest.approx(0.2)
     assert summary[f"time/{name}/decode"] == pytest.approx(0.8)  # the rank with the most steps
     assert summary[f"time/{name}/decode_step"] == pytest.approx(0.2)
+    assert summary[f"time/precompile_wait/{name}"] == 2.5  # the longest wait for a compiling helper
+    assert (summary[f"compile/{name}/graphs_cached"], summary[f"compile/{name}/graphs_built"]) == (4.0, 5.0)
 
 
 def test_generation_picture_draws_one_line_per_replica(tmp_path):

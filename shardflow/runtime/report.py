@@ -30,10 +30,13 @@ def merge_reports(per_rank: list[dict], graph: Graph, plan, config: ExperimentCo
             summary.setdefault("_errors", []).append(f"{call.name}: {errors[0]}")
         if "reward/errors" in (key for _, r in reports for key in r.metrics):
             summary["reward/errors"] = sum(r.metrics.get("reward/errors", 0.0) for _, r in reports)
-        for key in (f"time/compile/{call.name}", f"time/jit/{call.name}"):
+        for key in (f"time/compile/{call.name}", f"time/jit/{call.name}", f"time/precompile_wait/{call.name}"):
             compiled = [r.metrics[key] for _, r in reports if key in r.metrics]
-            if compiled:  # the slowest rank's compilation inside the call
+            if compiled:  # the slowest rank's compilation inside the call (or wait for its helper)
                 summary[key] = max(compiled)
+        for key in (f"compile/{call.name}/graphs_cached", f"compile/{call.name}/graphs_built"):
+            if any(key in r.metrics for _, r in reports):  # graphs compiled by all ranks
+                summary[key] = sum(r.metrics.get(key, 0.0) for _, r in reports)
         key = f"memory/{call.name}/peak_gb"
         peaks = [r.metrics[key] for _, r in reports if key in r.metrics]
         if peaks:  # GPU runs: the largest rank's peak
