@@ -49,9 +49,10 @@ def test_the_run_compiles_from_the_cache_that_the_helper_filled(tmp_path, monkey
         assert precompile_launch.prestart(force=True)  # as ``shardflow train`` does before its imports
         use_compile_cache(str(tmp_path / "cache"))  # as the run does before it hands the helper its jobs
         helper = precompile_launch.start([job], str(tmp_path / "cache"), tmp_path / "logs" / "precompile.log")
-        helper.wait()
-        assert helper.process.returncode == 0, (tmp_path / "logs" / "precompile.log").read_text()
-        assert "compiled the decode steps" in (tmp_path / "logs" / "precompile.log").read_text()
+        helper.wait_ready()
+        assert helper.process.wait(60) == 0, (tmp_path / "logs" / "precompile.log").read_text()
+        assert "compiled the first decode steps" in (tmp_path / "logs" / "precompile.log").read_text()
+        helper.finish()
 
         torch.manual_seed(0)
         model = build_model(job.cfg, job.shard, None, "cpu", torch.float32)
@@ -76,18 +77,19 @@ def test_the_steps_compiled_are_those_of_the_first_batch_and_of_a_shrinking_one(
     engine = GenerationEngine(model, job.engine)
     warmed = []
     engine.decode.warm = lambda n, key: warmed.append((n, key))
-    assert engine.compile_steps(6, ["sample", "greedy"], shared=True, varying=False) == [6]  # no graphs: no padding
+    engine.compile_step(6, ["sample", "greedy"], shared=True)
     assert warmed == [(6, ("sample", True)), (6, ("greedy", True))]
-    assert engine.compile_steps(6, ["sample"], varying=True) == [6, 3, 1]
+    assert engine.step_batches(6, varying=False) == [6]  # no graphs: no padding
+    assert engine.step_batches(6, varying=True) == [6, 3, 1]  # dynamic batch, then one row
     engine.decode.pad = True  # as with CUDA graphs: batches padded to their bucket of 1, 2, 4, 8 rows
-    assert engine.compile_steps(6, ["sample"], varying=False) == [8]
-    assert engine.compile_steps(8, ["sample"], varying=True) == [8, 4, 1]  # dynamic batch, then one row
-    assert engine.compile_steps(3, ["sample"], varying=True) == [4, 2, 1]
-    assert engine.compile_steps(2, ["sample"], varying=True) == [2, 1]
-    assert engine.compile_steps(1, ["sample"], varying=True) == [1]
-    assert engine.compile_steps(100, ["sample"], varying=False) == [8]  # at most the engine's slots
+    assert engine.step_batches(6, varying=False) == [8]
+    assert engine.step_batches(8, varying=True) == [8, 4, 1]
+    assert engine.step_batches(3, varying=True) == [4, 2, 1]
+    assert engine.step_batches(2, varying=True) == [2, 1]
+    assert engine.step_batches(1, varying=True) == [1]
+    assert engine.step_batches(100, varying=False) == [8]  # at most the engine's slots
     plain = GenerationEngine(model, dataclasses.replace(job.engine, compile=False))
-    assert plain.compile_steps(8, ["sample"]) == []
+    assert plain.step_batches(8) == []
 
 
 def test_the_helper_takes_a_layer_per_window_and_a_cache_of_few_blocks():
@@ -116,14 +118,15 @@ def test_a_failing_or_slow_helper_costs_a_warning(tmp_path, caplog):
     log = tmp_path / "precompile.log"
     with caplog.at_level(logging.WARNING):  # no helper waits: a new one is started with its jobs
         failing = precompile_launch.start([dataclasses.replace(tiny_job(), device="cuda:7")], "", log)
-        failing.wait()
+        failing.wait_ready()
+        failing.finish()
     assert failing.process.returncode != 0 and "Error" in log.read_text()
     assert f"compiling the decode step ahead failed (exit code {failing.process.returncode}" in caplog.text
     assert str(log) in caplog.text
     caplog.clear()
     slow = precompile_launch.Helper(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]), log)
     with caplog.at_level(logging.WARNING):
-        slow.wait(timeout=0.5)
+        slow.wait_ready(timeout=0.5)
     assert slow.process.poll() is not None
     assert "ran past 0 s and was stopped" in caplog.text
 

@@ -517,13 +517,11 @@ class GenerationEngine:
         shares = shared and self.config.share_prompt_kv
         return sum(self.decode.capture(n, (mode, shares)) for n in buckets for mode in modes)
 
-    def compile_steps(self, batch: int, modes: Sequence[str], *, shared: bool = False,
-                      varying: bool = True) -> list[int]:
-        """Compile the decode steps that a generate call whose first step holds ``batch`` rows
-        runs, for the sampling ``modes`` (rows reading shared prompts where ``shared``): the first
-        step's, and with ``varying`` (rows finish at different steps) the two that dynamo compiles
-        as the batch shrinks (its size dynamic, then one row); nothing is captured. Returns the
-        batch sizes run; none without ``compile``."""
+    def step_batches(self, batch: int, *, varying: bool = True) -> list[int]:
+        """The batch sizes whose decode steps compile in a generate call whose first step holds
+        ``batch`` rows: the first step's, and with ``varying`` (rows finish at different steps) the
+        two that dynamo compiles as the batch shrinks (its size dynamic, then one row). None
+        without ``compile``."""
         if not self.config.compile:
             return []
         first = self.decode.bucket(min(batch, self.decode.buckets[-1]))
@@ -532,12 +530,16 @@ class GenerationEngine:
             sizes.append(self.decode.bucket(first // 2))
         if varying and first > 1:
             sizes.append(1)
+        return sizes
+
+    def compile_step(self, batch: int, modes: Sequence[str], *, shared: bool = False) -> None:
+        """Compile the decode step of ``batch`` rows (one of ``step_batches``) for the sampling
+        ``modes``, rows reading shared prompts where ``shared``, as a generate call would; nothing
+        is captured."""
         shares = shared and self.config.share_prompt_kv
         with torch.no_grad():  # as ``generate``: the grad mode is part of what compiles
-            for n in sizes:
-                for mode in modes:
-                    self.decode.warm(n, (mode, shares))
-        return sizes
+            for mode in modes:
+                self.decode.warm(batch, (mode, shares))
 
     def _graph_key(self, rows: list[Request]) -> tuple[str, bool]:
         """What a decode step is specialised (and its graph captured) for: the rows' sampling mode,

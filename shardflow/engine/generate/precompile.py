@@ -7,15 +7,18 @@ compiles one frame at a time (a process-wide lock), and tracing holds the interp
 process can: ``python -m shardflow.engine.generate.precompile``, started and handed its jobs by
 ``precompile_launch``. It builds the model's shapes with zeroed weights (one layer per distinct
 attention window, a KV cache of a few blocks), compiles the steps that the first generate call
-will run (``GenerationEngine.compile_steps``) and exits. Its graphs and kernels land in the compile
+will run (``GenerationEngine.step_batches``) and exits. Its graphs and kernels land in the compile
 cache (inductor's graph cache, AOTAutograd's, Triton's), keyed by content, where the run's own
 compilation of the same graphs finds them: the run still traces them, but lowers and builds
 nothing.
 
-The run waits for the helper before it builds its engine (``precompile_launch.Helper.wait``): the
-helper's device memory is free again before the KV cache is sized, and graphs half built are not
-built twice. A helper that fails, or runs past its time, costs the wait and a warning; the run
-compiles what it did not."""
+The run waits until the helper has compiled the first steps before it builds its engine
+(``precompile_launch.Helper.wait_ready``): graphs half built are not built twice. The helper goes on
+with the steps of shrinking batches while the run decodes, and is stopped when the first generate
+call ends (its device memory, 1-2 GB for its embedding and head, a layer and a few blocks, is then
+free for training's; the first call's KV cache is that much smaller). A helper that fails, or
+runs past its time, costs the wait and a warning; the run compiles what it did not.
+"""
 
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ SERVE_SECONDS = 900.0  # the longest a helper started ahead waits for its jobs
 class Job:
     """The decode steps of one engine: its model's shard, settings, device and dtype, the rows of
     its first step, its sampling modes, whether its rows read shared prompts and whether its batch
-    shrinks as rows finish (see ``GenerationEngine.compile_steps``)."""
+    shrinks as rows finish (see ``GenerationEngine.step_batches``)."""
 
     cfg: ModelConfig
     shard: RankShard
@@ -75,8 +78,9 @@ def merged(jobs: Sequence[Job]) -> list[Job]:
     return out
 
 
-def compile_job(job: Job) -> list[int]:
-    """Compile one job's decode steps in this process; returns the batch sizes compiled."""
+def job_engine(job: Job) -> GenerationEngine:
+    """An engine of the job's settings on its device, over the model's shapes with zeroed weights: a
+    layer per attention window, a KV cache of few blocks."""
     device = torch.device(job.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -85,8 +89,23 @@ def compile_job(job: Job) -> list[int]:
     with torch.no_grad():
         for p in model.parameters():  # uninitialised memory could hold NaNs; zeros sample valid tokens
             p.zero_()
-    engine = GenerationEngine(model, dataclasses.replace(job.engine, kv_cache_bytes=_small_cache(job, shard)))
-    return engine.compile_steps(job.batch, job.modes, shared=job.shared, varying=job.varying)
+    return GenerationEngine(model, dataclasses.replace(job.engine, kv_cache_bytes=_small_cache(job, shard)))
+
+
+def compile_jobs(jobs: Sequence[Job], ready: Path | None = None) -> None:
+    """Compile the jobs' decode steps: every job's first step, then (``ready`` created) the steps
+    of their shrinking batches."""
+    engines = [job_engine(job) for job in jobs]
+    batches = [engine.step_batches(job.batch, varying=job.varying) for job, engine in zip(jobs, engines)]
+    for stage in ("first", "later"):
+        for job, engine, sizes in zip(jobs, engines, batches):
+            started, now = time.perf_counter(), sizes[:1] if stage == "first" else sizes[1:]
+            for n in now:
+                engine.compile_step(n, job.modes, shared=job.shared)
+            logger.info(f"compiled the {stage} decode steps of a {job.cfg.num_layers}-layer, {job.cfg.hidden_size}-"
+                        f"wide model (batches {now}, modes {list(job.modes)}) in {time.perf_counter() - started:.1f} s")
+        if stage == "first" and ready is not None:
+            ready.touch()
 
 
 def _layer_per_window(cfg: ModelConfig, layers: Sequence[int]) -> tuple[int, ...]:
@@ -131,8 +150,11 @@ def main(argv: Sequence[str]) -> int:
     _end_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = Path(argv[-1])
-    if argv[0] == "--serve":
-        compile_settings.apply()  # imports dynamo and inductor while the run imports its own libraries
+    if argv[0] == "--serve":  # the compiler and the device made ready while the run imports its libraries
+        compile_settings.apply()
+        import torch._inductor.compile_fx  # noqa: F401 - what the first compilation imports
+        if torch.cuda.is_available():
+            torch.empty(1, device="cuda")  # the context, on the one rank's device
         waited = time.perf_counter()
         while not path.exists():
             if time.perf_counter() - waited > SERVE_SECONDS:
@@ -149,13 +171,14 @@ def main(argv: Sequence[str]) -> int:
         path.with_suffix(".log").unlink(missing_ok=True)  # what it wrote while it waited
     use_compile_cache(given["compile_cache"])
     start_compile_workers()
-    for job in given["jobs"]:
-        started = time.perf_counter()
-        sizes = compile_job(job)
-        logger.info(f"compiled the decode steps of a {job.cfg.num_layers}-layer, {job.cfg.hidden_size}-wide model, "
-                    f"batches {sizes}, modes {list(job.modes)}, in {time.perf_counter() - started:.1f} s")
+    compile_jobs(given["jobs"], Path(given["ready"]))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Its work is on disk: no teardown (the compile workers' shutdown, CUDA's) for the run to wait on.
+    os._exit(code)

@@ -29,29 +29,40 @@ WAIT_SECONDS = 600.0  # the longest a run waits for its helper before stopping i
 
 
 class Helper:
-    """A helper process at work on its jobs."""
+    """A helper process at work on its jobs: first every job's first decode step (then it creates
+    ``ready``), then the steps of shrinking batches."""
 
     def __init__(self, process: subprocess.Popen, log: Path):
-        self.process, self.log, self.started = process, log, time.perf_counter()
+        self.process, self.log, self.ready = process, log, log.with_suffix(".ready")
+        self.started = time.perf_counter()
 
-    def wait(self, timeout: float = WAIT_SECONDS) -> float:
-        """Wait for the helper to end, at most ``timeout`` seconds (then stop it); log how it ended.
-        Returns the seconds waited."""
+    def wait_ready(self, timeout: float = WAIT_SECONDS) -> float:
+        """Wait until the helper has compiled the first decode steps (or ended), at most ``timeout``
+        seconds (then stop it). Returns the seconds waited."""
         waited = time.perf_counter()
-        try:
-            code = self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            logger.warning(f"compiling the decode step ahead ran past {timeout:.0f} s and was stopped (it "
-                           f"compiles at first use); its log: {self.log}")
-            return time.perf_counter() - waited
-        if code == 0:
-            logger.info(f"the decode step compiled ahead in a helper process in "
+        while not self.ready.exists() and self.process.poll() is None:
+            if time.perf_counter() - waited > timeout:
+                self.stop()
+                logger.warning(f"compiling the decode step ahead ran past {timeout:.0f} s and was stopped (it "
+                               f"compiles at first use); its log: {self.log}")
+                break
+            time.sleep(0.01)
+        if self.ready.exists():
+            logger.info(f"the first decode steps compiled ahead in a helper process, "
                         f"{time.perf_counter() - self.started:.1f} s after its jobs")
-        else:
+        return time.perf_counter() - waited
+
+    def finish(self) -> None:
+        """Stop the helper if it still works (what it has not compiled compiles at first use); a
+        failure is a warning."""
+        code = self.process.poll()
+        self.stop()
+        self.ready.unlink(missing_ok=True)
+        if code is None:
+            logger.debug("the precompile helper stopped before its last steps (they compile at first use)")
+        elif code != 0:
             logger.warning(f"compiling the decode step ahead failed (exit code {code}; it compiles at first "
                            f"use); its log: {self.log}")
-        return time.perf_counter() - waited
 
     def stop(self) -> None:
         """End the helper if it still runs."""
@@ -119,7 +130,9 @@ def release() -> None:
 def _hand_over(path: Path, jobs: Sequence[Any], compile_cache: str, log: Path) -> None:
     """Write the jobs whole, then let them appear under ``path`` (a waiting helper reads no half)."""
     part = path.with_suffix(".part")
-    part.write_bytes(pickle.dumps({"jobs": list(jobs), "compile_cache": compile_cache, "log": str(log)}))
+    given = {"jobs": list(jobs), "compile_cache": compile_cache, "log": str(log),
+             "ready": str(log.with_suffix(".ready"))}
+    part.write_bytes(pickle.dumps(given))
     os.replace(part, path)
 
 

@@ -75,7 +75,7 @@ class RunState:
     engines: dict[str, Any] = field(default_factory=dict)  # generate call -> its engine or adaptive generator
     predictor_states: dict[str, dict] = field(default_factory=dict)  # restored, applied when a generator is built
     workers: WorkerPool | None = None  # rewards and environments beside decoding (holders of rollouts)
-    precompile: Helper | None = None  # the decode steps compiled in a helper process (until the first engine)
+    precompile: Helper | None = None  # the decode steps compiled in a helper process (in the first generate call)
 
     def worker_pool(self, size: int) -> WorkerPool:
         """The rank's worker pool, started on first use and kept for the run."""
@@ -85,7 +85,7 @@ class RunState:
 
     def close(self) -> None:
         if self.precompile is not None:
-            self.precompile.stop()
+            self.precompile.finish()
             self.precompile = None
         if self.workers is not None:
             self.workers.close()

@@ -108,6 +108,9 @@ def run_generate(ctx: CallContext) -> SequenceBatch | None:
         return None
     adaptive = ctx.config.generation.adaptive.enabled
     out = (_generate_adaptive if adaptive else _generate)(ctx, _engine(ctx, adaptive))
+    if ctx.state.precompile is not None:  # its time was this call: its device memory goes before training's
+        ctx.state.precompile.finish()
+        ctx.state.precompile = None
     if out is not None and ctx.call.outputs == ("responses",):  # the rollouts' facts, not a baseline's
         ctx.report.rollout.update(rollout_lists(out))
     return out
@@ -121,9 +124,8 @@ def _engine(ctx: CallContext, adaptive: bool) -> Any:
     current = engine.models[ctx.layout] if isinstance(engine, AdaptiveGenerator) else getattr(engine, "model", None)
     if engine is not None and current is model:
         return engine
-    if ctx.state.precompile is not None:  # its graphs are in the cache, its memory free, when it ends
-        ctx.report.metrics[f"time/precompile_wait/{ctx.call.name}"] = ctx.state.precompile.wait()
-        ctx.state.precompile = None
+    if ctx.state.precompile is not None:  # the first steps' graphs in the cache: the engine finds them
+        ctx.report.metrics[f"time/precompile_wait/{ctx.call.name}"] = ctx.state.precompile.wait_ready()
     config = engine_config(ctx.config, ctx.layout, ctx.config.algorithm.batch_size, ctx.world.device)
     if adaptive:
         engine = adaptive_generator(ctx.world, model, ctx.plan[name].tp_targets, ctx.config.generation.adaptive,
