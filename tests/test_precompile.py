@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,11 +126,29 @@ def test_a_failing_or_slow_helper_costs_a_warning(tmp_path, caplog):
     assert f"compiling the decode step ahead failed (exit code {failing.process.returncode}" in caplog.text
     assert str(log) in caplog.text
     caplog.clear()
-    slow = precompile_launch.Helper(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]), log)
+    # a helper that started a worker of its own: stopping it stops both
+    slow = precompile_launch.Helper(subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+         "'import time; time.sleep(60)']); print('started', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, start_new_session=True), log)
+    assert slow.process.stdout.readline() == b"started\n"
     with caplog.at_level(logging.WARNING):
         slow.wait_ready(timeout=0.5)
     assert slow.process.poll() is not None
+    assert not group_alive(slow.process.pid)  # the worker with it
     assert "ran past 0 s and was stopped" in caplog.text
+
+
+def group_alive(pgid: int, seconds: float = 10.0) -> bool:
+    """Whether a process of the group is still there after ``seconds`` (the orphans' reaper is quick)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def test_jobs_of_one_engine_merge_their_modes():

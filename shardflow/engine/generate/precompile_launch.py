@@ -15,6 +15,7 @@ import atexit
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
@@ -86,7 +87,8 @@ def prestart(*, force: bool = False) -> bool:
     jobs = Path(name)
     with open(jobs.with_suffix(".log"), "w") as out:  # until it has jobs (then the run's log)
         process = subprocess.Popen([sys.executable, "-m", HELPER, "--serve", str(jobs)], stdout=out,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_helper_env())
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_helper_env(),
+                                   start_new_session=True)
     atexit.register(_stop, process)
     _waiting = (process, jobs)
     return True
@@ -114,7 +116,8 @@ def start(jobs: Sequence[Any], compile_cache: str, log: Path) -> Helper | None:
     _hand_over(job_file, jobs, compile_cache, log)
     with open(log, "w") as out:
         process = subprocess.Popen([sys.executable, "-m", HELPER, str(job_file)], stdout=out,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_helper_env())
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_helper_env(),
+                                   start_new_session=True)
     atexit.register(_stop, process)
     return Helper(process, log)
 
@@ -147,10 +150,16 @@ def _helper_env() -> dict[str, str]:
 
 
 def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
+    """End the helper and its compile workers (its own process group), if it still runs."""
+    if process.poll() is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:  # no group of its own (or gone): the process alone
+            process.send_signal(sig)
         try:
             process.wait(10)
+            return
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            continue
