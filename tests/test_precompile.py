@@ -111,9 +111,10 @@ def test_the_helper_takes_a_layer_per_window_and_a_cache_of_few_blocks():
 def test_a_helper_with_no_jobs_goes_away():
     assert precompile_launch.prestart(force=True)
     assert not precompile_launch.prestart(force=True)  # one at a time
-    waiting = precompile_launch._waiting[0]
+    waiting, jobs = precompile_launch._waiting
     assert precompile_launch.start([], "", Path("unused")) is None
     assert waiting.wait(60) == 0
+    assert not jobs.exists() and not jobs.with_suffix(".log").exists()  # it leaves nothing behind
 
 
 def test_a_failing_or_slow_helper_costs_a_warning(tmp_path, caplog):

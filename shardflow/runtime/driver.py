@@ -31,7 +31,6 @@ from shardflow.data.batch import SequenceBatch
 from shardflow.data.prompts import PromptSampler, completion_batch
 from shardflow.engine.adaptive.generator import AdaptiveGenerator
 from shardflow.engine.adaptive.trace import GenerationTrace, plot_trace
-from shardflow.engine.generate import precompile, precompile_launch
 from shardflow.engine.compile_cache import (
     compile_seconds,
     graph_cache_counts,
@@ -39,6 +38,7 @@ from shardflow.engine.compile_cache import (
     start_compile_workers,
     use_compile_cache,
 )
+from shardflow.engine.generate import precompile, precompile_launch
 from shardflow.models.checkpoint import save_checkpoint
 from shardflow.parallel.world import World
 from shardflow.rl.advantages import KLController

@@ -165,13 +165,14 @@ def main(argv: Sequence[str]) -> int:
             time.sleep(0.02)
     given = pickle.loads(path.read_bytes())
     path.unlink(missing_ok=True)
+    if argv[0] == "--serve":  # what it wrote while it waited (nothing went wrong)
+        path.with_suffix(".log").unlink(missing_ok=True)
     if not given["jobs"]:
         return 0
     if argv[0] == "--serve":  # from now on into the run's log
         log = os.open(given["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        path.with_suffix(".log").unlink(missing_ok=True)  # what it wrote while it waited
     use_compile_cache(given["compile_cache"])
     start_compile_workers()
     compile_jobs(given["jobs"], Path(given["ready"]))
