@@ -4,6 +4,7 @@ compiles lands in the compile cache where the run's own compilation of the same 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import subprocess
@@ -190,3 +191,40 @@ def test_the_first_rank_of_a_compiled_layout_compiles_ahead(gpu_config):
     ]:
         world = World(rank=rank, size=2, device=device, backend="nccl")
         assert precompile_job(config, layout, cfg, world, torch.bfloat16, greedy=False) is None
+
+
+def test_a_run_hands_its_helper_the_first_steps_and_stops_it_after_its_first_generate_call(tmp_path, monkeypatch):
+    """The run's side, on one CPU rank: the job that ``precompile_job`` makes on a GPU (here forced
+    on the CPU, and without compilation: what it compiles is the first test's) goes to the helper
+    that the command started, the first generate call waits for its first steps, and the helper is
+    gone after it."""
+    from shardflow.examples.arithmetic import example_config
+    from shardflow.parallel.launch import launch
+    from shardflow.runtime import driver
+    from shardflow.runtime.validate import prepare
+
+    raw = example_config(tmp_path / "example")
+    del raw["plan"]
+    config = load_config(None, ["run.devices=1", "run.iterations=1", f"run.out_dir={tmp_path / 'run'}",
+                                f"run.compile_cache={tmp_path / 'cache'}", "run.progress=false",
+                                "run.tensorboard=false", "algorithm.batch_size=2", "generation.samples_per_prompt=2"],
+                         base=raw)
+    jobs = []
+
+    def cpu_job(config, layout, cfg, world, dtype, *, greedy):
+        engine = EngineConfig(max_seq_len=32, max_batch_size=4, kv_block_size=16)
+        jobs.append(precompile.Job(cfg=cfg, shard=shard_for(cfg, layout, world.rank), engine=engine, device="cpu",
+                                   dtype=dtype, batch=4, modes=("sample",), shared=True, varying=False))
+        return jobs[-1]
+
+    monkeypatch.setattr(driver, "precompile_job", cpu_job)
+    assert precompile_launch.prestart(force=True)
+    helper = precompile_launch._waiting[0]
+    launch(driver.train_rank, 1, prepare(config), backend="gloo")
+    assert len(jobs) == 1 and precompile_launch._waiting is None
+    assert helper.wait(30) == 0  # it had ended: its first steps were its only ones
+    logs = tmp_path / "run" / "logs"
+    assert "compiled the first decode steps" in (logs / "precompile-rank0.log").read_text()
+    assert not (logs / "precompile-rank0.ready").exists()
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["time/precompile_wait/actor_gen"] >= 0

@@ -92,11 +92,11 @@ class Run:
         specs = {role: model_spec(config, role, resume_dir, self.graph.train_call(role) is not None)
                  for role in self.graph.models()}
         generates = [c for c in self.graph.calls if c.kind is Kind.GENERATE and world.rank in self.plan[c.name].layout]
-        jobs = []  # the decode steps, compiled in a helper process while this one sets up
         if world.device.type == "cuda":  # where torch.compile runs
             use_compile_cache(config.run.compile_cache)
-            jobs = [precompile_job(config, self.plan[c.name].layout, prepared.models[c.model], world,
-                                   compute_dtype(specs[c.model], world.device), greedy=c.greedy) for c in generates]
+        # the decode steps, compiled in a helper process while this one sets up (none: a waiting helper goes)
+        jobs = [precompile_job(config, self.plan[c.name].layout, prepared.models[c.model], world,
+                               compute_dtype(specs[c.model], world.device), greedy=c.greedy) for c in generates]
         helper = precompile_launch.start(precompile.merged([j for j in jobs if j]), config.run.compile_cache,
                                          Path(self.out_dir) / "logs" / f"precompile-rank{world.rank}.log")
         if world.device.type == "cuda":
