@@ -50,12 +50,12 @@ def test_the_run_compiles_from_the_cache_that_the_helper_filled(tmp_path, monkey
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         assert precompile_launch.prestart(force=True)  # as ``shardflow train`` does before its imports
+        (tmp_path / "logs").mkdir()
+        (tmp_path / "logs" / "precompile.ready").touch()  # an earlier run's: not this helper's
         use_compile_cache(str(tmp_path / "cache"))  # as the run does before it hands the helper its jobs
         helper = precompile_launch.start([job], str(tmp_path / "cache"), tmp_path / "logs" / "precompile.log")
         helper.wait_ready()
-        assert helper.process.wait(60) == 0, (tmp_path / "logs" / "precompile.log").read_text()
         assert "compiled the first decode steps" in (tmp_path / "logs" / "precompile.log").read_text()
-        helper.finish()
 
         torch.manual_seed(0)
         model = build_model(job.cfg, job.shard, None, "cpu", torch.float32)
@@ -70,6 +70,8 @@ def test_the_run_compiles_from_the_cache_that_the_helper_filled(tmp_path, monkey
         got = [r.output_ids for r in engine.generate(make_requests(prompts(lengths=(20, 17, 21)), GREEDY, 2))]
         cached, built = (after - before for after, before in zip(graph_cache_counts(), (hits, misses)))
         torch._dynamo.reset()
+        assert helper.process.wait(60) == 0, (tmp_path / "logs" / "precompile.log").read_text()
+        helper.finish()
     assert got == expected
     assert (cached, built) == (4, 0)  # the layer, the step's start and end, the sampler's pick
 

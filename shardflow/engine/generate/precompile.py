@@ -100,6 +100,8 @@ def compile_jobs(jobs: Sequence[Job], ready: Path | None = None) -> None:
     for stage in ("first", "later"):
         for job, engine, sizes in zip(jobs, engines, batches):
             started, now = time.perf_counter(), sizes[:1] if stage == "first" else sizes[1:]
+            if not now:
+                continue
             for n in now:
                 engine.compile_step(n, job.modes, shared=job.shared)
             logger.info(f"compiled the {stage} decode steps of a {job.cfg.num_layers}-layer, {job.cfg.hidden_size}-"

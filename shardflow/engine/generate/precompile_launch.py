@@ -109,6 +109,7 @@ def start(jobs: Sequence[Any], compile_cache: str, log: Path) -> Helper | None:
                      f"{waiting[1].with_suffix('.log')}")
         waiting = None
     log.parent.mkdir(parents=True, exist_ok=True)
+    log.with_suffix(".ready").unlink(missing_ok=True)  # an earlier run's, in the same directory
     if waiting is not None:
         _hand_over(waiting[1], jobs, compile_cache, log)
         return Helper(waiting[0], log)
