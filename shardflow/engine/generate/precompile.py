@@ -107,6 +107,7 @@ def compile_jobs(jobs: Sequence[Job], ready: Path | None = None) -> None:
             logger.info(f"compiled the {stage} decode steps of a {job.cfg.num_layers}-layer, {job.cfg.hidden_size}-"
                         f"wide model (batches {now}, modes {list(job.modes)}) in {time.perf_counter() - started:.1f} s")
         if stage == "first" and ready is not None:
+            logger.info(f"ready: {ready}")
             ready.touch()
 
 
