@@ -122,7 +122,16 @@ def test_a_helper_with_no_jobs_goes_away():
 
 def test_a_failing_or_slow_helper_costs_a_warning(tmp_path, caplog):
     log = tmp_path / "precompile.log"
-    with caplog.at_level(logging.WARNING):  # no helper waits: a new one is started with its jobs
+    assert precompile_launch.start([tiny_job()], "", log) is None  # no helper waits: the run compiles for itself
+    assert precompile_launch.prestart(force=True)
+    precompile_launch._waiting[0].kill()
+    precompile_launch._waiting[0].wait()
+    with caplog.at_level(logging.WARNING):
+        assert precompile_launch.start([tiny_job()], "", log) is None
+    assert "the precompile helper ended before its jobs came" in caplog.text
+    caplog.clear()
+    assert precompile_launch.prestart(force=True)
+    with caplog.at_level(logging.WARNING):
         failing = precompile_launch.start([dataclasses.replace(tiny_job(), device="cuda:7")], "", log)
         failing.wait_ready()
         failing.finish()

@@ -45,7 +45,7 @@ from shardflow.parallel.sharding import RankShard
 
 logger = logging.getLogger(__name__)
 
-SERVE_SECONDS = 900.0  # the longest a helper started ahead waits for its jobs
+SERVE_SECONDS = 900.0  # the longest a helper waits for its jobs
 
 
 @dataclass(frozen=True)
@@ -148,34 +148,31 @@ def _end_with_parent() -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    """``JOBS``: compile the jobs in that file; ``--serve JOBS``: load the compiler, then wait for
-    that file to appear (``precompile_launch``)."""
+    """``JOBS``: load the compiler and the device, wait for that file to appear
+    (``precompile_launch``), compile its jobs."""
     _end_with_parent()
     # The run's own work first: its setup compiles too, on the same cores (in one pair measured, its
     # setup took 6 s longer beside a helper of the same priority).
     os.nice(10)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    path = Path(argv[-1])
-    if argv[0] == "--serve":  # the compiler and the device made ready while the run imports its libraries
-        compile_settings.apply()
-        import torch._inductor.compile_fx  # noqa: F401 - what the first compilation imports
-        if torch.cuda.is_available():
-            torch.empty(1, device="cuda")  # the context, on the one rank's device
-        waited = time.perf_counter()
-        while not path.exists():
-            if time.perf_counter() - waited > SERVE_SECONDS:
-                return 0
-            time.sleep(0.02)
+    path = Path(argv[0])
+    compile_settings.apply()  # the compiler and the device made ready while the run imports its libraries
+    import torch._inductor.compile_fx  # noqa: F401 - what the first compilation imports
+    if torch.cuda.is_available():
+        torch.empty(1, device="cuda")  # the context, on the one rank's device
+    waited = time.perf_counter()
+    while not path.exists():
+        if time.perf_counter() - waited > SERVE_SECONDS:
+            return 0
+        time.sleep(0.02)
     given = pickle.loads(path.read_bytes())
     path.unlink(missing_ok=True)
-    if argv[0] == "--serve":  # what it wrote while it waited (nothing went wrong)
-        path.with_suffix(".log").unlink(missing_ok=True)
+    path.with_suffix(".log").unlink(missing_ok=True)  # what it wrote while it waited (nothing went wrong)
     if not given["jobs"]:
         return 0
-    if argv[0] == "--serve":  # from now on into the run's log
-        log = os.open(given["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
+    log = os.open(given["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # from now on, the run's log
+    os.dup2(log, 1)
+    os.dup2(log, 2)
     use_compile_cache(given["compile_cache"])
     start_compile_workers()
     compile_jobs(given["jobs"], Path(given["ready"]))

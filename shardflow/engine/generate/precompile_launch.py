@@ -3,8 +3,9 @@
 The helper's own start (an interpreter, torch, the compiler: 10-13 s on a fresh machine) is as long
 as the run's setup that it should overlap. So ``shardflow train`` starts one before it imports
 anything heavy (``prestart``): it imports what compiling takes and waits for its jobs, which the run
-hands it once its setup knows them (``start``), or none (it exits). Without a waiting helper
-(ranks in processes of their own, ``prestart`` not called) ``start`` launches one with its jobs.
+hands it once its setup knows them (``start``), or none (it exits). A helper started only then, at
+the run's setup, came 10 s late on an H100 (the run waited longer for it than it would have taken
+to compile): ranks in processes of their own, which have no helper waiting, compile for themselves.
 
 Standard library only: the command line imports this before torch.
 """
@@ -86,7 +87,7 @@ def prestart(*, force: bool = False) -> bool:
     os.unlink(name)  # its appearance is the signal
     jobs = Path(name)
     with open(jobs.with_suffix(".log"), "w") as out:  # until it has jobs (then the run's log)
-        process = subprocess.Popen([sys.executable, "-m", HELPER, "--serve", str(jobs)], stdout=out,
+        process = subprocess.Popen([sys.executable, "-m", HELPER, str(jobs)], stdout=out,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_helper_env(),
                                    start_new_session=True)
     atexit.register(_stop, process)
@@ -95,32 +96,24 @@ def prestart(*, force: bool = False) -> bool:
 
 
 def start(jobs: Sequence[Any], compile_cache: str, log: Path) -> Helper | None:
-    """Have a helper compile ``jobs`` (``precompile.Job``s) in turn into ``compile_cache``
-    (``run.compile_cache``: the caller's cache, already in use), its output to ``log``: the helper
-    waiting for them if there is one (an empty list sends it away), else a new one. The helper
-    ends with this process."""
+    """Hand ``jobs`` (``precompile.Job``s) to the waiting helper, to compile in turn into
+    ``compile_cache`` (``run.compile_cache``: the caller's cache, already in use), its output to
+    ``log``; None where no helper waits (an empty list sends it away)."""
+    global _waiting
     if not jobs:
         release()
         return None
-    global _waiting
     waiting, _waiting = _waiting, None
-    if waiting is not None and waiting[0].poll() is not None:  # it died waiting: its log says why
-        logger.debug(f"the waiting precompile helper had exited ({waiting[0].returncode}); see "
-                     f"{waiting[1].with_suffix('.log')}")
-        waiting = None
+    if waiting is None:
+        return None
+    if waiting[0].poll() is not None:
+        logger.warning(f"the precompile helper ended before its jobs came (exit code {waiting[0].returncode}; the "
+                       f"decode step compiles at first use); its log: {waiting[1].with_suffix('.log')}")
+        return None
     log.parent.mkdir(parents=True, exist_ok=True)
     log.with_suffix(".ready").unlink(missing_ok=True)  # an earlier run's, in the same directory
-    if waiting is not None:
-        _hand_over(waiting[1], jobs, compile_cache, log)
-        return Helper(waiting[0], log)
-    job_file = log.with_suffix(".jobs")
-    _hand_over(job_file, jobs, compile_cache, log)
-    with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", HELPER, str(job_file)], stdout=out,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_helper_env(),
-                                   start_new_session=True)
-    atexit.register(_stop, process)
-    return Helper(process, log)
+    _hand_over(waiting[1], jobs, compile_cache, log)
+    return Helper(waiting[0], log)
 
 
 def release() -> None:
