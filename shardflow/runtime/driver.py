@@ -115,9 +115,7 @@ class Run:
         self.state = RunState(tokenizer=tokenizer, eos_token_ids=eos + list(prepared.models["actor"].eos_token_ids),
                               reward_fn=reward_fn, kl=KLController.from_config(config.algorithm.kl),
                               precompile=helper)
-        if uses_workers(config) and any(world.rank in self.plan[c.name].layout
-                                        and self.plan[c.name].layout.coord(world.rank).tp == 0
-                                        for c in self.graph.calls if c.kind is Kind.GENERATE):
+        if uses_workers(config) and any(self.plan[c.name].layout.coord(world.rank).tp == 0 for c in generates):
             start_workers(config, self.state.worker_pool(config.rollout.workers))  # a replica's holder
         self.start_iteration = 0
 
