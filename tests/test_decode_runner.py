@@ -26,7 +26,8 @@ def host_rows(tokens, positions, slots):
 
 
 def test_buckets():
-    assert batch_buckets(1) == [1] and batch_buckets(5) == [1, 2, 4, 5] and batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(1) == [1] and batch_buckets(2) == [2]
+    assert batch_buckets(5) == [2, 4, 5] and batch_buckets(8) == [2, 4, 8]  # one row runs as two
 
 
 def test_rows_advance_in_place_padding_stays_on_the_scratch_slot_and_compaction_keeps_order():

@@ -86,12 +86,12 @@ def test_the_steps_compiled_are_those_of_the_first_batch_and_of_a_shrinking_one(
     assert warmed == [(6, ("sample", True)), (6, ("greedy", True))]
     assert engine.step_batches(6, varying=False) == [6]  # no graphs: no padding
     assert engine.step_batches(6, varying=True) == [6, 3, 1]  # dynamic batch, then one row
-    engine.decode.pad = True  # as with CUDA graphs: batches padded to their bucket of 1, 2, 4, 8 rows
+    engine.decode.pad = True  # as with CUDA graphs: batches padded to their bucket of 2, 4, 8 rows
     assert engine.step_batches(6, varying=False) == [8]
-    assert engine.step_batches(8, varying=True) == [8, 4, 1]
-    assert engine.step_batches(3, varying=True) == [4, 2, 1]
-    assert engine.step_batches(2, varying=True) == [2, 1]
-    assert engine.step_batches(1, varying=True) == [1]
+    assert engine.step_batches(8, varying=True) == [8, 4]  # one row runs in the bucket of two
+    assert engine.step_batches(3, varying=True) == [4, 2]
+    assert engine.step_batches(2, varying=True) == [2]
+    assert engine.step_batches(1, varying=True) == [2]
     assert engine.step_batches(100, varying=False) == [8]  # at most the engine's slots
     plain = GenerationEngine(model, dataclasses.replace(job.engine, compile=False))
     assert plain.step_batches(8) == []

@@ -32,8 +32,10 @@ TOKENS, POSITIONS, SLOTS, PROMPT_GROUPS = 0, 1, 2, 5  # rows of ``ints``
 
 
 def batch_buckets(max_batch: int) -> list[int]:
-    """Powers of two below ``max_batch``, then ``max_batch`` itself."""
-    sizes, n = [], 1
+    """Powers of two from 2 below ``max_batch``, then ``max_batch`` itself. One row runs as two: a
+    step of one row reads the same weights as a step of two, and torch.compile would compile (and
+    the runner capture) a step of its own for size one, which it specialises."""
+    sizes, n = [], 2 if max_batch > 1 else 1
     while n < max_batch:
         sizes.append(n)
         n *= 2

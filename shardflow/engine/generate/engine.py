@@ -519,16 +519,16 @@ class GenerationEngine:
 
     def step_batches(self, batch: int, *, varying: bool = True) -> list[int]:
         """The batch sizes whose decode steps compile in a generate call whose first step holds
-        ``batch`` rows: the first step's, and with ``varying`` (rows finish at different steps) the
-        two that dynamo compiles as the batch shrinks (its size dynamic, then one row). None
-        without ``compile``."""
+        ``batch`` rows: the first step's, and with ``varying`` (rows finish at different steps) those
+        that dynamo compiles as the batch shrinks (its size dynamic; then one row, which it
+        specialises, unless one row is padded to a bucket of two). None without ``compile``."""
         if not self.config.compile:
             return []
         first = self.decode.bucket(min(batch, self.decode.buckets[-1]))
         sizes = [first]
         if varying and first > 2:
             sizes.append(self.decode.bucket(first // 2))
-        if varying and first > 1:
+        if varying and first > 1 and self.decode.bucket(1) == 1:
             sizes.append(1)
         return sizes
 
