@@ -1,0 +1,82 @@
+"""The decode step's one-pass sampler kernel over its launch knobs and noise forms (a diagnostic).
+
+    python bench/sampler_sweep.py --out DIR
+
+Per batch (1, 64, 256) and mode (greedy, sampled), us per call on 151,936-vocabulary bf16
+logits (20 calls per CUDA-graph replay, ``generation.kernel_timed``): the kernel at the engine's
+knobs, then over rows per program, chunks per row (programs per SM), columns per block and
+warps, and (sampled) over the noise's form.
+Prints the best setting per case and writes ``sampler_sweep.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from generation import kernel_timed  # noqa: E402
+
+from shardflow.engine.generate import sampling_kernel as sk  # noqa: E402
+
+VOCAB = 151936
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--batches", default="1,64,256")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows = []
+    for batch in map(int, args.batches.split(",")):
+        logits = torch.randn(batch, VOCAB, dtype=torch.bfloat16, device=device)
+        seed = torch.arange(batch, device=device) * 7919
+        position = torch.full((batch,), 7, device=device)
+        for sample in (False, True):
+            temperature = torch.full((batch,), 1.0 if sample else 0.0, device=device)
+
+            def run(**knobs):
+                return sk.candidates_triton(logits, temperature, seed, position, 0, sample, **knobs)
+
+            base = kernel_timed(run, device) * 1e6
+            rows.append(dict(batch=batch, sample=sample, knobs="engine", us=base))
+            for rows_, block, warps, per_sm in itertools.product((1, 2, 4), (512, 1024, 2048), (4, 8), (4, 8, 16)):
+                if rows_ * block > 4096 or rows_ > batch:
+                    continue
+                chunks = max(1, min(-(-VOCAB // block), (per_sm * sms) // -(-batch // rows_)))
+                knobs = dict(rows=rows_, block=block, num_warps=warps, chunks=chunks)
+                try:
+                    us = kernel_timed(lambda: run(**knobs), device) * 1e6
+                except Exception as e:  # noqa: BLE001 - a setting that does not compile is skipped
+                    print(f"skip {knobs}: {type(e).__name__}")
+                    continue
+                rows.append(dict(batch=batch, sample=sample, knobs=knobs, us=us))
+            if sample:
+                for noise in (2, 3, 4):
+                    us = kernel_timed(lambda: run(noise=noise), device) * 1e6
+                    rows.append(dict(batch=batch, sample=sample, knobs=dict(noise=noise), us=us))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sampler_sweep.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
+    for (batch, sample), group in itertools.groupby(rows, key=lambda r: (r["batch"], r["sample"])):
+        group = list(group)
+        base = group[0]["us"]
+        best = min(group, key=lambda r: r["us"])
+        print(f"b{batch:<4} {'sampled' if sample else 'greedy':8} engine {base:7.1f} us  best {best['us']:7.1f} us "
+              f"{best['knobs']}")
+        for r in group[1:]:
+            if "noise" in r["knobs"]:
+                print(f"      noise form {r['knobs']['noise']}: {r['us']:7.1f} us")
+
+
+if __name__ == "__main__":
+    main()
