@@ -25,8 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation import kernel_timed  # noqa: E402
 
 from shardflow.engine.generate import sampling_kernel as sk  # noqa: E402
+from shardflow.engine.generate.sampling import pick  # noqa: E402
 
 VOCAB = 151936
+
+
+def sk_pick(candidates: torch.Tensor) -> torch.Tensor:
+    return pick(candidates)[0]
 
 
 def main() -> None:
@@ -47,6 +52,7 @@ def main() -> None:
             def run(**knobs):
                 return sk.candidates_triton(logits, temperature, seed, position, 0, sample, **knobs)
 
+            want = sk_pick(run())
             base = kernel_timed(run, device) * 1e6
             rows.append(dict(batch=batch, sample=sample, knobs="engine", us=base))
             for rows_, block, warps, per_sm in itertools.product((1, 2, 4), (512, 1024, 2048), (4, 8), (4, 8, 16)):
@@ -59,23 +65,25 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - a setting that does not compile is skipped
                     print(f"skip {knobs}: {type(e).__name__}")
                     continue
-                rows.append(dict(batch=batch, sample=sample, knobs=knobs, us=us))
+                rows.append(dict(batch=batch, sample=sample, knobs=knobs, per_sm=per_sm, us=us,
+                                 same_tokens=bool(torch.equal(sk_pick(run(**knobs)), want))))
             if sample:
                 for noise in (2, 3, 4):
                     us = kernel_timed(lambda: run(noise=noise), device) * 1e6
-                    rows.append(dict(batch=batch, sample=sample, knobs=dict(noise=noise), us=us))
+                    rows.append(dict(batch=batch, sample=sample, knobs=dict(noise=noise), us=us,
+                                     same_tokens=bool(torch.equal(sk_pick(run(noise=noise)), want))))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sampler_sweep.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
     for (batch, sample), group in itertools.groupby(rows, key=lambda r: (r["batch"], r["sample"])):
         group = list(group)
         base = group[0]["us"]
-        best = min(group, key=lambda r: r["us"])
-        print(f"b{batch:<4} {'sampled' if sample else 'greedy':8} engine {base:7.1f} us  best {best['us']:7.1f} us "
-              f"{best['knobs']}")
+        print(f"b{batch:<4} {'sampled' if sample else 'greedy':8} engine {base:7.1f} us; fastest:")
+        for r in sorted((r for r in group[1:] if "rows" in r["knobs"]), key=lambda r: r["us"])[:4]:
+            print(f"      {r['us']:7.1f} us {r['knobs']} ({r['per_sm']} per SM), same tokens {r['same_tokens']}")
         for r in group[1:]:
             if "noise" in r["knobs"]:
-                print(f"      noise form {r['knobs']['noise']}: {r['us']:7.1f} us")
+                print(f"      noise form {r['knobs']['noise']}: {r['us']:7.1f} us, same tokens {r['same_tokens']}")
 
 
 if __name__ == "__main__":
