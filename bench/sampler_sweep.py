@@ -1,11 +1,11 @@
-"""The decode step's one-pass sampler kernel over its launch knobs and noise forms (a diagnostic).
+"""The decode step's one-pass sampler kernel over its launch knobs (a diagnostic).
 
     python bench/sampler_sweep.py --out DIR
 
 Per batch (1, 64, 256) and mode (greedy, sampled), us per call on 151,936-vocabulary bf16
 logits (20 calls per CUDA-graph replay, ``generation.kernel_timed``): the kernel at the engine's
 knobs, then over rows per program, chunks per row (programs per SM), columns per block and
-warps, and (sampled) over the noise's form.
+warps.
 Prints the best setting per case and writes ``sampler_sweep.json``.
 """
 
@@ -67,11 +67,6 @@ def main() -> None:
                     continue
                 rows.append(dict(batch=batch, sample=sample, knobs=knobs, per_sm=per_sm, us=us,
                                  same_tokens=bool(torch.equal(sk_pick(run(**knobs)), want))))
-            if sample:
-                for noise in (2, 3, 4):
-                    us = kernel_timed(lambda: run(noise=noise), device) * 1e6
-                    rows.append(dict(batch=batch, sample=sample, knobs=dict(noise=noise), us=us,
-                                     same_tokens=bool(torch.equal(sk_pick(run(noise=noise)), want))))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sampler_sweep.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
@@ -79,11 +74,8 @@ def main() -> None:
         group = list(group)
         base = group[0]["us"]
         print(f"b{batch:<4} {'sampled' if sample else 'greedy':8} engine {base:7.1f} us; fastest:")
-        for r in sorted((r for r in group[1:] if "rows" in r["knobs"]), key=lambda r: r["us"])[:4]:
+        for r in sorted(group[1:], key=lambda r: r["us"])[:4]:
             print(f"      {r['us']:7.1f} us {r['knobs']} ({r['per_sm']} per SM), same tokens {r['same_tokens']}")
-        for r in group[1:]:
-            if "noise" in r["knobs"]:
-                print(f"      noise form {r['knobs']['noise']}: {r['us']:7.1f} us, same tokens {r['same_tokens']}")
 
 
 if __name__ == "__main__":

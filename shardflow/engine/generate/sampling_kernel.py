@@ -9,8 +9,10 @@ z = logits / T (T = 1 on greedy rows), the same noise with native uint32 arithme
 to ``sampling.noise_bits``), the score z + Gumbel, and the five fields of ``local_candidates``
 (best score, its global index, its z, the max of z and the sum of exp(z - max)).
 
-The grid is (rows, chunks of the row's columns): about PROGRAMS_PER_SM programs per SM at any
-batch, so batch 1 still spreads over the GPU. The output [C, B, 5] holds the chunks in vocabulary
+The grid is (blocks of ``rows`` rows, chunks of the rows' columns): about PROGRAMS_PER_SM programs
+per SM at any batch, so batch 1 still spreads over the GPU. A program of several rows hashes each
+column's half of the noise once for all of them (the engine runs one row per program until a
+measured setting says otherwise: ``bench/sampler_sweep.py``). The output [C, B, 5] holds the chunks in vocabulary
 order, what ``sampling.pick`` combines; ties go to the lowest index (strict comparisons inside a
 chunk, the first chunk across chunks). The chunk count depends only on (B, V) and the GPU, so a
 CUDA graph captured for a batch size stays valid; the op is registered so that a compiled decode
@@ -26,7 +28,6 @@ from shardflow.models.triton_warmup import warmup
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 except ImportError:  # the torch path needs no Triton
     triton = None
 
@@ -87,22 +88,8 @@ if triton is not None:
         return -tl.log(-tl.log(u))
 
     @triton.jit
-    def _noise(bits, NOISE: tl.constexpr):
-        # EXPERIMENT (to be removed): 1 the Gumbel noise; 2 the same in base 2; 3 base 2 with
-        # libdevice's fast log2; 4 the hash alone (u, not Gumbel)
-        u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-        if NOISE == 1:
-            return -tl.log(-tl.log(u))
-        elif NOISE == 2:
-            return -0.6931471805599453 * tl.log2(-tl.log2(u))
-        elif NOISE == 3:
-            return -0.6931471805599453 * libdevice.fast_log2f(-libdevice.fast_log2f(u))
-        else:
-            return u
-
-    @triton.jit
     def _candidates_kernel(X, Temperature, Seed, Position, Out, stride_x, stride_oc, B, V, vocab_start, chunk,
-                           SAMPLE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, NOISE: tl.constexpr = 1):
+                           SAMPLE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         c = tl.program_id(1)
         live = rows < B
@@ -134,7 +121,7 @@ if triton is not None:
             if SAMPLE:
                 # the columns' half of the hash once for all the program's rows
                 v = _column_hash(vocab_start + cols)
-                score = z + _noise(_keyed_hash(key[:, None], v[None, :]), NOISE) * gate
+                score = z + _gumbel(_keyed_hash(key[:, None], v[None, :])) * gate
             take = score > best
             best = tl.where(take, score, best)
             best_col = tl.where(take, cols[None, :], best_col)
@@ -160,7 +147,7 @@ if triton is not None:
 
 def candidates_triton(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
                       vocab_start: int, sample: bool, *, block: int = BLOCK_V, programs_per_sm: int = PROGRAMS_PER_SM,
-                      num_warps: int = NUM_WARPS, chunks: int | None = None, noise: int = 1,
+                      num_warps: int = NUM_WARPS, chunks: int | None = None,
                       rows: int = 1) -> torch.Tensor:
     """[C, B, 5] float64 candidates of the C vocabulary chunks of raw logits [B, V_local] (bf16 or
     fp32, padding at -inf): ``local_candidates(scaled_logits(logits, temperature), ...)`` per chunk,
@@ -169,7 +156,7 @@ def candidates_triton(logits: torch.Tensor, temperature: torch.Tensor, seed: tor
     if triton is None:
         raise RuntimeError("the Triton sampler needs the triton package")
     return _run(lambda kernel, grid: kernel[grid], logits.device, logits, temperature, seed, position, vocab_start,
-                sample, block=block, programs_per_sm=programs_per_sm, num_warps=num_warps, chunks=chunks, noise=noise,
+                sample, block=block, programs_per_sm=programs_per_sm, num_warps=num_warps, chunks=chunks,
                 rows=rows)
 
 
@@ -187,7 +174,7 @@ def warm_kernels(device: torch.device, dtype: torch.dtype, *, batch: int, vocab:
 
 def _run(launch, device: torch.device, logits, temperature, seed, position, vocab_start: int, sample: bool, *,
          block: int = BLOCK_V, programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
-         chunks: int | None = None, noise: int = 1, rows: int = 1) -> torch.Tensor:
+         chunks: int | None = None, rows: int = 1) -> torch.Tensor:
     """The kernel's launch: ``launch(kernel, grid)`` -> a callable taking its arguments
     (``kernel[grid]``, or a warm-up); ``device`` is the one it runs on."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -202,7 +189,7 @@ def _run(launch, device: torch.device, logits, temperature, seed, position, voca
     launch(_candidates_kernel, (-(-B // rows), chunks))(
         logits, temperature.contiguous(), seed.contiguous(), position.contiguous(), out,
         logits.stride(0), out.stride(0), B, V, vocab_start, chunk, SAMPLE=sample, BLOCK=block, ROWS=rows,
-        NOISE=noise, num_warps=num_warps,
+        num_warps=num_warps,
     )
     return out
 
