@@ -52,9 +52,9 @@ def rows(temperature, seed0=0, position=7) -> SamplingTensors:
                            position=torch.arange(n) * 1000 + position)
 
 
-def kernel(logits, st, vocab_start, mode, rows=1):
+def kernel(logits, st, vocab_start, mode):
     return sk.candidates_triton(logits, st.temperature, st.seed, st.position, vocab_start, mode == SAMPLE,
-                                block=BLOCK, rows=rows)
+                                block=BLOCK)
 
 
 def check_hash() -> None:
@@ -95,8 +95,6 @@ def compare(logits, st, vocab_start, mode) -> torch.Tensor:
     tokens, lp = pick(got)
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(lp, want_lp, atol=1e-6, rtol=0)
-    # several rows per program (the last block of rows partly past the batch): the same fields
-    assert torch.equal(kernel(logits, st, vocab_start, mode, rows=4), got)
     return tokens
 
 

@@ -9,10 +9,8 @@ z = logits / T (T = 1 on greedy rows), the same noise with native uint32 arithme
 to ``sampling.noise_bits``), the score z + Gumbel, and the five fields of ``local_candidates``
 (best score, its global index, its z, the max of z and the sum of exp(z - max)).
 
-The grid is (blocks of ``rows`` rows, chunks of the rows' columns): about PROGRAMS_PER_SM programs
-per SM at any batch, so batch 1 still spreads over the GPU. A program of several rows hashes each
-column's half of the noise once for all of them (the engine runs one row per program until a
-measured setting says otherwise: ``bench/sampler_sweep.py``). The output [C, B, 5] holds the chunks in vocabulary
+The grid is (rows, chunks of the row's columns): about PROGRAMS_PER_SM programs per SM at any
+batch, so batch 1 still spreads over the GPU. The output [C, B, 5] holds the chunks in vocabulary
 order, what ``sampling.pick`` combines; ties go to the lowest index (strict comparisons inside a
 chunk, the first chunk across chunks). The chunk count depends only on (B, V) and the GPU, so a
 CUDA graph captured for a batch size stays valid; the op is registered so that a compiled decode
@@ -65,20 +63,11 @@ if triton is not None:
         return _mix32(k ^ position.to(tl.uint32))
 
     @triton.jit
-    def _column_hash(vocab_ids):
-        """The half of ``sampling.noise_bits`` that depends on the column only."""
-        return _mix32(vocab_ids.to(tl.uint32) + 0x9E3779B9)  # (id - 0x61C88647) mod 2**32 there
-
-    @triton.jit
-    def _keyed_hash(key, v):
-        """The rest: a row key with a column's ``_column_hash``."""
-        h = _mix32(key ^ v)
-        return _mix32(h ^ (key >> 7))
-
-    @triton.jit
     def _noise_bits(key, vocab_ids):
         """``sampling.noise_bits``: uint32 hash of a row key and global vocabulary ids."""
-        return _keyed_hash(key, _column_hash(vocab_ids))
+        v = _mix32(vocab_ids.to(tl.uint32) + 0x9E3779B9)  # (id - 0x61C88647) mod 2**32 there
+        h = _mix32(key ^ v)
+        return _mix32(h ^ (key >> 7))
 
     @triton.jit
     def _gumbel(bits):
@@ -88,43 +77,37 @@ if triton is not None:
         return -tl.log(-tl.log(u))
 
     @triton.jit
-    def _candidates_kernel(X, Temperature, Seed, Position, Out, stride_x, stride_oc, B, V, vocab_start, chunk,
-                           SAMPLE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    def _candidates_kernel(X, Temperature, Seed, Position, Out, stride_x, stride_oc, V, vocab_start, chunk,
+                           SAMPLE: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
         c = tl.program_id(1)
-        live = rows < B
-        t = tl.load(Temperature + rows, mask=live, other=0.0).to(tl.float32)
+        t = tl.load(Temperature + row).to(tl.float32)
         sampled = t > 0
         t = tl.where(sampled, t, 1.0)
-        scaled = tl.max(tl.abs(t - 1.0), 0) > 0  # x / 1 = x exactly: greedy rows and T = 1 skip the division
         if SAMPLE:
-            key = _row_key(tl.load(Seed + rows, mask=live, other=0).to(tl.int64),
-                           tl.load(Position + rows, mask=live, other=0).to(tl.int64))
-            gate = sampled.to(tl.float32)[:, None]  # noise only on sampled rows, as in local_candidates
+            key = _row_key(tl.load(Seed + row).to(tl.int64), tl.load(Position + row).to(tl.int64))
+            gate = sampled.to(tl.float32)  # noise only on sampled rows, as in local_candidates
         offs = tl.arange(0, BLOCK)
         lo = c * chunk
-        base = X + rows.to(tl.int64)[:, None] * stride_x
+        base = X + row.to(tl.int64) * stride_x
         # Per lane: best score, its column and z (strict >: the earlier column keeps a tie); the
         # max of z and the sum of exp(z - max), both from -inf / 0 so an all-padding chunk stays so.
-        best = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
-        best_col = tl.zeros([ROWS, BLOCK], tl.int32) + (lo + offs)[None, :]
-        best_z = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
-        m = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
-        s = tl.zeros([ROWS, BLOCK], tl.float32)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_col = lo + offs
+        best_z = tl.full([BLOCK], float("-inf"), tl.float32)
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
         for v0 in range(lo, tl.minimum(lo + chunk, V), BLOCK):
             cols = v0 + offs
-            z = tl.load(base + cols[None, :], mask=live[:, None] & (cols < V)[None, :],
-                        other=float("-inf")).to(tl.float32)
-            if scaled:
-                z = tl.math.div_rn(z, t[:, None])  # correctly rounded, as torch's division (Triton's "/" is not)
+            z = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            if t != 1.0:  # x / 1 = x exactly: greedy rows and T = 1 skip the division
+                z = tl.math.div_rn(z, t)  # correctly rounded, as torch's division (Triton's "/" is not)
             score = z
             if SAMPLE:
-                # the columns' half of the hash once for all the program's rows
-                v = _column_hash(vocab_start + cols)
-                score = z + _gumbel(_keyed_hash(key[:, None], v[None, :])) * gate
+                score = z + _gumbel(_noise_bits(key, vocab_start + cols)) * gate
             take = score > best
             best = tl.where(take, score, best)
-            best_col = tl.where(take, cols[None, :], best_col)
+            best_col = tl.where(take, cols, best_col)
             best_z = tl.where(take, z, best_z)
             # One exp per element: exp(lower - higher) of (running max, z) scales whichever is lower.
             # (Triton's fast exp, as in token_stats: the sum needs ~1e-7, not the last bit.)
@@ -132,23 +115,22 @@ if triton is not None:
             d = tl.exp(tl.minimum(m, z) - tl.where(hi == float("-inf"), 0.0, hi))
             s = tl.where(z > m, s * d + 1.0, s + d)
             m = hi
-        top = tl.max(best, 1)
-        col = tl.min(tl.where(best == top[:, None], best_col, 2147483647), 1)  # lowest column of the best
-        z_top = tl.max(tl.where(best_col == col[:, None], best_z, float("-inf")), 1)  # the one lane holding it
-        row_max = tl.max(m, 1)
-        s_row = tl.sum(s * tl.exp(m - tl.where(row_max == float("-inf"), 0.0, row_max)[:, None]), 1)
-        out = Out + c * stride_oc + rows * 5
-        tl.store(out + 0, top.to(tl.float64), mask=live)
-        tl.store(out + 1, (vocab_start + col).to(tl.float64), mask=live)
-        tl.store(out + 2, z_top.to(tl.float64), mask=live)
-        tl.store(out + 3, row_max.to(tl.float64), mask=live)
-        tl.store(out + 4, s_row.to(tl.float64), mask=live)
+        top = tl.max(best, 0)
+        col = tl.min(tl.where(best == top, best_col, 2147483647), 0)  # lowest column of the best
+        z_top = tl.max(tl.where(best_col == col, best_z, float("-inf")), 0)  # the one lane holding it
+        row_max = tl.max(m, 0)
+        s_row = tl.sum(s * tl.exp(m - tl.where(row_max == float("-inf"), 0.0, row_max)), 0)
+        out = Out + c * stride_oc + row * 5
+        tl.store(out + 0, top.to(tl.float64))
+        tl.store(out + 1, (vocab_start + col).to(tl.float64))
+        tl.store(out + 2, z_top.to(tl.float64))
+        tl.store(out + 3, row_max.to(tl.float64))
+        tl.store(out + 4, s_row.to(tl.float64))
 
 
 def candidates_triton(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
                       vocab_start: int, sample: bool, *, block: int = BLOCK_V, programs_per_sm: int = PROGRAMS_PER_SM,
-                      num_warps: int = NUM_WARPS, chunks: int | None = None,
-                      rows: int = 1) -> torch.Tensor:
+                      num_warps: int = NUM_WARPS) -> torch.Tensor:
     """[C, B, 5] float64 candidates of the C vocabulary chunks of raw logits [B, V_local] (bf16 or
     fp32, padding at -inf): ``local_candidates(scaled_logits(logits, temperature), ...)`` per chunk,
     with noise iff ``sample`` (SAMPLE mode). GPU, or ``TRITON_INTERPRET=1`` on CPU. The keyword
@@ -156,8 +138,7 @@ def candidates_triton(logits: torch.Tensor, temperature: torch.Tensor, seed: tor
     if triton is None:
         raise RuntimeError("the Triton sampler needs the triton package")
     return _run(lambda kernel, grid: kernel[grid], logits.device, logits, temperature, seed, position, vocab_start,
-                sample, block=block, programs_per_sm=programs_per_sm, num_warps=num_warps, chunks=chunks,
-                rows=rows)
+                sample, block=block, programs_per_sm=programs_per_sm, num_warps=num_warps)
 
 
 def warm_kernels(device: torch.device, dtype: torch.dtype, *, batch: int, vocab: int, vocab_start: int,
@@ -173,23 +154,16 @@ def warm_kernels(device: torch.device, dtype: torch.dtype, *, batch: int, vocab:
 
 
 def _run(launch, device: torch.device, logits, temperature, seed, position, vocab_start: int, sample: bool, *,
-         block: int = BLOCK_V, programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
-         chunks: int | None = None, rows: int = 1) -> torch.Tensor:
+         block: int = BLOCK_V, programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """The kernel's launch: ``launch(kernel, grid)`` -> a callable taking its arguments
     (``kernel[grid]``, or a warm-up); ``device`` is the one it runs on."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     B, V = logits.shape
-    if chunks is None:
-        chunks, chunk = num_chunks(B, V, device, programs_per_sm, block)
-    else:
-        blocks = -(-V // block)
-        chunk = -(-blocks // chunks) * block
-        chunks = -(-V // chunk)
+    chunks, chunk = num_chunks(B, V, device, programs_per_sm, block)
     out = torch.empty(chunks, B, 5, dtype=torch.float64, device=logits.device)
-    launch(_candidates_kernel, (-(-B // rows), chunks))(
+    launch(_candidates_kernel, (B, chunks))(
         logits, temperature.contiguous(), seed.contiguous(), position.contiguous(), out,
-        logits.stride(0), out.stride(0), B, V, vocab_start, chunk, SAMPLE=sample, BLOCK=block, ROWS=rows,
-        num_warps=num_warps,
+        logits.stride(0), out.stride(0), V, vocab_start, chunk, SAMPLE=sample, BLOCK=block, num_warps=num_warps,
     )
     return out
 
