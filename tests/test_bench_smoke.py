@@ -23,7 +23,6 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 CASES = {  # script: (arguments, JSON it writes)
     "generation.py": (["--tiny", "--skip-transformers"], "generation.json"),
     "decode_profile.py": (["--tiny"], "decode_profile.json"),
-    "decode_halves.py": (["--tiny"], "decode_halves.json"),
     "iteration.py": (["--tiny", "--iterations", "2", "--trl-steps", "2"], "iteration.json"),
     "train_step.py": (["--tiny", "--steps", "2"], "train_step.json"),
     "token_stats.py": (["--tiny"], "token_stats.json"),

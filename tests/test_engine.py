@@ -12,7 +12,7 @@ from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
 from shardflow.engine.generate.kv_cache import KVCache, bytes_per_slot
 from shardflow.engine.generate.requests import Request, SamplingParams, derive_seed, make_requests, to_sequence_batch
 from shardflow.engine.generate.sampling import pick
-from shardflow.engine.generate.steps import decode_attend, decode_end, decode_finish, decode_layer, decode_start
+from shardflow.engine.generate.steps import decode_end, decode_layer, decode_start
 from shardflow.models.transformer import build_model
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.sharding import shard_for
@@ -196,34 +196,6 @@ def test_steps_read_shared_prompts_only_when_rows_share_one(llama):
     assert seen and all(seen)
 
 
-def test_steps_in_two_halves_give_the_whole_batch_tokens(llama):
-    """``overlap_min_rows``: decode steps of enough rows run as two halves (on CPU one after the
-    other; on a GPU on two streams): transformers' greedy tokens, and the log-probabilities of the
-    whole-batch steps, while the batch shrinks through odd sizes (halves of unequal rows) and below
-    the threshold (whole steps again); a paged cache, samples sharing their prompt's prefill."""
-    path, model = llama
-    ps = prompts()[:3]
-    outputs = {}
-    for rows in (0, 4):
-        engine = GenerationEngine(model, EngineConfig(max_seq_len=64, kv_block_size=16, overlap_min_rows=rows),
-                                  eos_token_ids=())
-        requests = make_requests(ps, [SamplingParams(max_new_tokens=2 + i, **GREEDY) for i in range(3)],
-                                 samples_per_prompt=3)
-        halves = []
-        inner = engine._attend_fn if rows else None
-        if rows:
-            engine._attend_fn = lambda *args: (halves.append(args[1].shape[0]), inner(*args))[1]
-        engine.generate(requests)
-        outputs[rows] = requests
-        if rows:  # 9 rows (4 + 5), then 6 (3 + 3); 3 rows run whole
-            assert set(halves) == {4, 5, 3}, set(halves)
-    for a, b in zip(outputs[0], outputs[4]):
-        assert b.output_ids == a.output_ids == hf_greedy(path, a.prompt_ids, len(a.output_ids), eos=None)
-        torch.testing.assert_close(torch.tensor(b.output_logprobs), torch.tensor(a.output_logprobs), atol=1e-5, rtol=0)
-    with pytest.raises(ValueError, match="overlap_min_rows must be 0"):
-        EngineConfig(overlap_min_rows=-1)
-
-
 def test_kv_cache_budget_and_slots():
     from shardflow.models.tiny import tiny_hf_config
 
@@ -292,15 +264,5 @@ def test_compiled_decode_layer_matches_transformers_and_compiles_once_for_all_la
     assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     for fn in (decode_layer, decode_start, decode_end, pick):
-        assert len(_debug_get_cache_entry_list(fn.__code__)) == 1, fn.__name__
-    # steps in two halves: the layer as its two pieces, each compiled once for every layer and both halves
-    torch._dynamo.reset()
-    counters.clear()
-    engine = GenerationEngine(model, EngineConfig(max_seq_len=48, max_batch_size=4, compile=True, kv_block_size=16,
-                                                  overlap_min_rows=2))
-    requests = engine.generate(make_requests([prompt], SamplingParams(max_new_tokens=6, **GREEDY), 4))
-    assert all(r.output_ids == expected for r in requests)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    for fn in (decode_attend, decode_finish):
         assert len(_debug_get_cache_entry_list(fn.__code__)) == 1, fn.__name__
     torch._dynamo.reset()

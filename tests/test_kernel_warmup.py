@@ -17,14 +17,14 @@ from shardflow.engine.generate.steps import decode_start
 pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("block_size,halves", [(16, False), (None, False), (16, True)])
+@pytest.mark.parametrize("block_size", [16, None])
 @pytest.mark.parametrize("batch,mode", [(6, SAMPLE), (2, GREEDY)])
-def test_warmed_decode_kernels_are_the_variants_the_first_step_launches(checkpoints, monkeypatch, block_size, halves,
-                                                                          batch, mode):
+def test_warmed_decode_kernels_are_the_variants_the_first_step_launches(checkpoints, monkeypatch, block_size, batch,
+                                                                          mode):
     """``compile_kernels`` warms, from an engine's settings alone, the decode attention kernels
     that a step over its cache launches (its largest batch: one split, or three and their merge;
-    a paged cache or a contiguous one; prompt-KV sharing; each half's, where steps run in two
-    halves) and the sampler's kernel over the model's logits, in the run's mode."""
+    a paged cache or a contiguous one; prompt-KV sharing) and the sampler's kernel over the
+    model's logits, in the run's mode."""
     from shardflow.engine.generate import decode_attention as da
     from shardflow.engine.generate import kernel_warmup
     from shardflow.engine.generate import sampling_kernel as sk
@@ -35,8 +35,7 @@ def test_warmed_decode_kernels_are_the_variants_the_first_step_launches(checkpoi
         recorders[name] = Recorder(getattr(module, name))
         monkeypatch.setattr(module, name, recorders[name])
     model = local_model(checkpoints.get("qwen3_qknorm", "qwen3", tie_word_embeddings=True))
-    config = EngineConfig(max_seq_len=300, max_batch_size=batch, kv_block_size=block_size,
-                          overlap_min_rows=2 if halves else 0)
+    config = EngineConfig(max_seq_len=300, max_batch_size=batch, kv_block_size=block_size)
     engine = GenerationEngine(model, config)
     engine.reset_cache()
     cache, B = engine.cache, config.max_batch_size
@@ -46,16 +45,14 @@ def test_warmed_decode_kernels_are_the_variants_the_first_step_launches(checkpoi
     groups, prompt = torch.arange(B) // 3, torch.full((B,), 3)  # the engine's int rows
     layer = model.shard.layers[0]
     q = torch.empty(B, model.shard.num_heads, model.cfg.head_dim)
-    for rows in {B // 2, B - B // 2} if halves else {B}:
-        da.decode_attention_triton(q[:rows], cache.k[layer], cache.v[layer], blocks[:rows], lengths[:rows], None,
-                                   (groups[:rows], prompt[:rows]))
+    da.decode_attention_triton(q, cache.k[layer], cache.v[layer], blocks, lengths, None, (groups, prompt))
     logits = model.logits(h[:, 0])
     sk.candidates_triton(logits, torch.ones(B), torch.zeros(B, dtype=torch.long), positions + 1,
                          model.shard.vocab_start, mode == SAMPLE)
     kernel_warmup.compile_kernels(torch.device("cpu"), logits.dtype, model.cfg, model.shard, config, mode=mode,
                                   shared_prompts=True)
     assert recorders["_split_kernel"].launched and recorders["_candidates_kernel"].launched
-    assert bool(recorders["_merge_kernel"].launched) == (batch == 2 or halves)  # several splits on 4 CPU "SMs"
+    assert bool(recorders["_merge_kernel"].launched) == (batch == 2)  # three splits on 4 CPU "SMs"
     for name, recorder in recorders.items():
         assert recorder.warmed == recorder.launched, name
 

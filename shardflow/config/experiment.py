@@ -152,9 +152,6 @@ class GenerationConfig(Settings):
     kv_block_size: int = setting(64, "tokens per KV cache block: the cache holds the blocks requests reach, not "
                                      "max_seq_len per request (0 = one contiguous block per request)", ge=0,
                                  multiple_of=KV_BLOCK_MULTIPLE)
-    overlap_min_rows: int = setting(0, "decode steps of at least this many rows run as two halves on two CUDA "
-                                       "streams, one half's attention beside the other's products (0 = never; "
-                                       "tp=1 layouts)", ge=0)
     adaptive: AdaptiveConfig = section(AdaptiveConfig, "adaptive tensor parallelism")
 
 

@@ -134,9 +134,7 @@ class AdaptiveGenerator:
         self.engines: dict[Layout, GenerationEngine] = {start: first}
         self._equal_slots()
         for layout in chain[1:]:
-            single = layout.tp == 1  # compiled steps and steps in halves: tp = 1 only
-            config_l = dataclasses.replace(engine_config, compile=engine_config.compile and single,
-                                           overlap_min_rows=engine_config.overlap_min_rows if single else 0)
+            config_l = dataclasses.replace(engine_config, compile=engine_config.compile and layout.tp == 1)
             self.engines[layout] = GenerationEngine(self.models[layout], config_l, eos_token_ids=eos_token_ids,
                                           cache=first.cache.regroup(self._heads(layout)))
 

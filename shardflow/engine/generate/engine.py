@@ -61,12 +61,9 @@ from shardflow.engine.generate.kv_cache import KVCache, bytes_per_slot, check_bl
 from shardflow.engine.generate.requests import Request
 from shardflow.engine.generate.sampling import SamplingTensors, batch_mode, pick, sample
 from shardflow.engine.generate.steps import (
-    decode_attend,
     decode_end,
-    decode_finish,
     decode_layer,
     decode_logits,
-    decode_logits_halves,
     decode_start,
     extend_cache,
     prefill_logits,
@@ -106,10 +103,6 @@ class EngineConfig:
     # per request (long-tailed lengths fit more requests in the same memory); None: one contiguous
     # block of max_seq_len per slot.
     kv_block_size: int | None = None
-    # Decode steps of at least this many rows run as two halves on two CUDA streams, each layer's
-    # attention of one half beside the other half's products (``steps.decode_logits_halves``); 0:
-    # never. tp = 1 only (the halves' collectives would interleave across ranks).
-    overlap_min_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.attention not in ("auto", *ATTENTION):
@@ -125,8 +118,6 @@ class EngineConfig:
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         check_block_size(self.kv_block_size)
-        if self.overlap_min_rows < 0:
-            raise ValueError(f"overlap_min_rows must be 0 (never) or positive, got {self.overlap_min_rows}")
         if self.blas_library not in (None, *BLAS_LIBRARIES):
             raise ValueError(f"blas_library must be one of {', '.join(BLAS_LIBRARIES)} or None; "
                              f"got {self.blas_library!r}")
@@ -172,8 +163,6 @@ class GenerationEngine:
             raise ValueError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
         if config.compile and shard.tp_size > 1:
             raise ValueError("compile is implemented for tp=1 only; run tp > 1 without it")
-        if config.overlap_min_rows and shard.tp_size > 1:
-            raise ValueError("overlap_min_rows (decode steps in two halves) is implemented for tp=1 only; set it to 0")
         if config.blas_library is not None and self.device.type != "cuda":
             raise ValueError(f"blas_library {config.blas_library!r} needs a CUDA device; the model is on {self.device}")
         # Compiled layer by layer: one layer's code serves all of them (tracing and compiling the
@@ -185,10 +174,6 @@ class GenerationEngine:
             return compiled_or_eager(fn, what, mode=config.compile_mode) if config.compile else fn
 
         self._layer_fn = compiled(decode_layer, "the decode layer")
-        if config.overlap_min_rows:  # the layer cut at its attention's output, for steps in halves
-            self._attend_fn = compiled(decode_attend, "the decode layer's attention")
-            self._finish_fn = compiled(decode_finish, "the decode layer's MLP")
-        self._side = torch.cuda.Stream(self.device) if config.overlap_min_rows and self.device.type == "cuda" else None
         self._start_fn = compiled(decode_start, "the decode step's start")
         self._end_fn = compiled(decode_end, "the decode step's end")
         self._pick_fn = compiled(pick, "the sampler's pick")
@@ -306,13 +291,8 @@ class GenerationEngine:
         # On the CPU a host read waits for no device, and no graph or compiled layer needs fixed
         # shapes: eager CPU steps hand attention only the cache the rows reach.
         span = int(positions.max()) + 1 if self.device.type == "cpu" and not self.config.compile else None
-        if self.config.overlap_min_rows and tokens.shape[0] >= max(2, self.config.overlap_min_rows):
-            logits = decode_logits_halves(self.model, self.cache, self.attention, tokens, positions, slots, prompts,
-                                          side=self._side, attend_fn=self._attend_fn, finish_fn=self._finish_fn,
-                                          span=span, start_fn=self._start_fn, end_fn=self._end_fn)
-        else:
-            logits = decode_logits(self.model, self.cache, self.attention, tokens, positions, slots, prompts,
-                                   layer_fn=self._layer_fn, span=span, start_fn=self._start_fn, end_fn=self._end_fn)
+        logits = decode_logits(self.model, self.cache, self.attention, tokens, positions, slots, prompts,
+                               layer_fn=self._layer_fn, span=span, start_fn=self._start_fn, end_fn=self._end_fn)
         st = SamplingTensors(temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds, position=positions + 1)
         return sample(logits, st, vocab_start=self.model.shard.vocab_start, vocab_size=self.model.cfg.vocab_size,
                       group=self.model.tp_group, mode=mode, pick_fn=self._pick_fn)

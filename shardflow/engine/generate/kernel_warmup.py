@@ -44,13 +44,10 @@ def compile_kernels(device: torch.device, dtype: torch.dtype, cfg: ModelConfig, 
     max_len = (config.max_seq_len or cfg.max_position_embeddings) - 1  # as ``GenerationEngine.reset_cache``
     positions, blocks_per_row = block_layout(max_len, config.kv_block_size)
     warm_attention(device, dtype, shard.num_heads, shard.num_kv_heads, cfg.head_dim, backward=False)  # the prefill's
-    batch = config.max_batch_size
-    halves = config.overlap_min_rows and batch >= max(2, config.overlap_min_rows)  # its attention runs per half
-    for rows in sorted({batch // 2, batch - batch // 2}) if halves else [batch]:
-        decode_attention.warm_kernels(
-            device, dtype, batch=rows, heads=shard.num_heads, kv_heads=shard.num_kv_heads,
-            head_dim=cfg.head_dim, block_size=positions, blocks_per_row=blocks_per_row,
-            windows=[cfg.sliding_windows[i] for i in shard.layers], shared=shared_prompts and config.share_prompt_kv)
+    decode_attention.warm_kernels(
+        device, dtype, batch=config.max_batch_size, heads=shard.num_heads, kv_heads=shard.num_kv_heads,
+        head_dim=cfg.head_dim, block_size=positions, blocks_per_row=blocks_per_row,
+        windows=[cfg.sliding_windows[i] for i in shard.layers], shared=shared_prompts and config.share_prompt_kv)
     if shard.last_stage and mode != FILTER:  # the filtered mode samples in torch
         sampling_kernel.warm_kernels(device, dtype, batch=config.max_batch_size, vocab=shard.vocab_size,
                                      vocab_start=shard.vocab_start, sample=mode == SAMPLE)

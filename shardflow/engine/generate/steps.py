@@ -17,7 +17,6 @@ all-reduces per layer and one for the embedding) are the only communication.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Sequence
 
 import torch
@@ -92,29 +91,14 @@ def decode_layer(layer: DecoderLayer, x: torch.Tensor, pending: torch.Tensor, co
     layer). Returns the stream after attention and this layer's MLP output, for the next layer (or
     the final norm) to add. A function of tensors and the layer's module only (no layer index), so
     that one compiled version serves every layer: compilation traces one layer, not the whole stack."""
-    x, out = decode_attend(layer, x, pending, cos, sin, k_cache, v_cache, attention, at, blocks, lengths, window,
-                           prompts)
-    return decode_finish(layer, x, out)
 
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [B,H,1,d], k/v [B,K,1,d]
+        write_kv(k_cache, v_cache, *at, k, v)
+        return attention(q[:, :, 0], k_cache, v_cache, blocks, lengths, window, prompts)[:, :, None]
 
-def decode_attend(layer: DecoderLayer, x: torch.Tensor, pending: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, attention: DecodeAttention,
-                  at: tuple[torch.Tensor, torch.Tensor], blocks: torch.Tensor, lengths: torch.Tensor,
-                  window: int | None, prompts: tuple[torch.Tensor, torch.Tensor] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``decode_layer`` up to its attention's output: the stream ``x + pending`` and the
-    attention output [B,1,h,d] (before the o product)."""
     x = x + pending
-    q, k, v = (t.transpose(1, 2) for t in layer.self_attn.project(layer.input_layernorm(x), cos, sin))
-    write_kv(k_cache, v_cache, *at, k, v)  # q [B,h,1,d], k/v [B,k,1,d]
-    out = attention(q[:, :, 0], k_cache, v_cache, blocks, lengths, window, prompts)
-    return x, out[:, None]
-
-
-def decode_finish(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``decode_layer`` from its attention's output on: the stream after attention and the
-    layer's MLP output."""
-    x = x + layer.self_attn.output(out)
+    x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, attend)
     return x, layer.mlp(layer.post_attention_layernorm(x))
 
 
@@ -157,69 +141,14 @@ def decode_logits(model: Transformer, cache: KVCache, attention: DecodeAttention
     handed.
     """
     h, pending, cos, sin, blocks, at, lengths = start_fn(model, cache, tokens, positions, slots)
-    blocks, layers = _within_span(model, cache, blocks, span)
-    for layer, k, v, window in layers:
-        h, pending = layer_fn(layer, h, pending, cos, sin, k, v, attention, at, blocks, lengths, window, prompts)
-    return end_fn(model, h, pending)
-
-
-def decode_logits_halves(model: Transformer, cache: KVCache, attention: DecodeAttention, tokens: torch.Tensor,
-                         positions: torch.Tensor, slots: torch.Tensor,
-                         prompts: tuple[torch.Tensor, torch.Tensor] | None = None, *,
-                         side: torch.cuda.Stream | None, attend_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-                         = decode_attend, finish_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = decode_finish,
-                         span: int | None = None, start_fn: Callable[..., tuple[torch.Tensor, ...]] = decode_start,
-                         end_fn: Callable[..., torch.Tensor] = decode_end) -> torch.Tensor:
-    """``decode_logits`` with the batch's rows in two halves, each layer's attention of one half
-    beside the products of the other: a decode step at a few hundred rows runs its products near
-    the matrix rate and its attention near copy bandwidth, and in sequence each leaves the other's
-    resource idle. The halves' work goes to two streams (the current one and ``side``), each
-    layer cut at its attention's output (``decode_attend``, ``decode_finish``): half A's attention
-    waits for half B's attention of the layer before, and B's for A's of the same layer, so that
-    one half's attention runs while the other's o product and MLP do. Without ``side`` (CPU) the
-    halves run one after the other. The rows' results are those of ``decode_logits`` (up to the
-    products' rounding at half the rows); the cost is each layer's weights read twice."""
-    h, pending, cos, sin, blocks, at, lengths = start_fn(model, cache, tokens, positions, slots)
-    blocks, layers = _within_span(model, cache, blocks, span)
-    cut = tokens.shape[0] // 2
-    per_row = [h, pending, cos, sin, *at, blocks, lengths, *(prompts or ())]
-    # per half: [h, pending, cos, sin, at's blocks, at's offsets, blocks, lengths, (groups, prompt)]
-    halves = [[t[:cut] for t in per_row], [t[cut:] for t in per_row]]
-    streams = (torch.cuda.current_stream(tokens.device), side) if side is not None else (None, None)
-    attended: list[torch.cuda.Event | None] = [None, None]  # each half's latest attention
-    if side is not None:
-        side.wait_stream(streams[0])
-    for layer, k, v, window in layers:
-        for i, (x, p, c, s_, at_blocks, at_offsets, b, n, *shared) in enumerate(halves):
-            with _on(streams[i]):
-                if attended[1 - i] is not None:
-                    streams[i].wait_event(attended[1 - i])
-                x, out = attend_fn(layer, x, p, c, s_, k, v, attention, (at_blocks, at_offsets), b, n, window,
-                                   tuple(shared) or None)
-                if side is not None:
-                    attended[i] = torch.cuda.Event()
-                    attended[i].record(streams[i])
-                halves[i][:2] = finish_fn(layer, x, out)
-    if side is not None:
-        streams[0].wait_stream(side)
-    return end_fn(model, torch.cat([halves[0][0], halves[1][0]]), torch.cat([halves[0][1], halves[1][1]]))
-
-
-def _on(stream: torch.cuda.Stream | None):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def _within_span(model: Transformer, cache: KVCache, blocks: torch.Tensor, span: int | None):
-    """The rows' blocks and each layer's (layer, k cache, v cache, window), cut to ``span``
-    positions where it is given (see ``decode_logits``)."""
     if span is not None and cache.paged:
         blocks = blocks[:, :-(-span // cache.block_size)]
     upto = span if span is not None and not cache.paged else None
     windows = model.cfg.sliding_windows
-    layers = []
     for index, layer in model.model.layers.items():
         k, v = cache.k[int(index)], cache.v[int(index)]
         if upto is not None:
             k, v = k[:, :, :upto], v[:, :, :upto]
-        layers.append((layer, k, v, windows[int(index)]))
-    return blocks, layers
+        h, pending = layer_fn(layer, h, pending, cos, sin, k, v, attention, at, blocks, lengths, windows[int(index)],
+                              prompts)
+    return end_fn(model, h, pending)

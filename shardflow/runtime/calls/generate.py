@@ -54,7 +54,6 @@ def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int, de
         transposed_weights=gen.transposed_weights and device.type == "cuda",
         share_prompt_kv=gen.share_prompt_kv,
         kv_block_size=gen.kv_block_size or None,
-        overlap_min_rows=gen.overlap_min_rows if device.type == "cuda" and layout.tp == 1 else 0,
     )
 
 
