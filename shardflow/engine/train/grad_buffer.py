@@ -3,9 +3,7 @@
 Each parameter owns a slice of the buffer. A post-accumulate-grad hook takes the parameter's
 gradient (``param.grad`` is freed) and, once a few are held, adds them into their slices in one
 launch (``engine.train.grad_accumulate``), so gradients of bf16 parameters accumulate over
-micro-batches in float32, and at most a group of them sits in memory twice. On a GPU the adds run
-on a stream of their own (``overlap``): they move bytes while backward's products compute, instead
-of between them; whatever reads the buffer first waits for them (``settle``).
+micro-batches in float32, and at most a group of them sits in memory twice.
 
 Data-parallel reduction: the buffer is cut into buckets of whole parameters, laid out in reverse
 registration order (roughly the order backward produces them). During the step's final backward,
@@ -60,8 +58,7 @@ class Piece:
 class GradBuffer:
     def __init__(self, params: dict[str, nn.Parameter], dp_group: ProcessGroup | None, *,
                  bucket_numel: int, device: torch.device, shards: int = 1, shard_index: int = 0,
-                 whole: frozenset[str] = frozenset(), overlap: bool = True):
-        """``overlap``: on CUDA, the adds on a stream of their own (the same sums, in the same order)."""
+                 whole: frozenset[str] = frozenset()):
         if bucket_numel < 1:
             raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
         self.dp_group, self.shards = dp_group, shards
@@ -105,7 +102,6 @@ class GradBuffer:
         self._works: list = []
         self._group: list[tuple[int, torch.Tensor]] = []  # (offset in flat, gradient) not yet added
         self._group_numel = 0
-        self._side = torch.cuda.Stream(device) if overlap and self.flat.is_cuda else None
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n)) for n, p in params.items()]
 
     # ----- layout helpers --------------------------------------------------------------------
@@ -150,32 +146,16 @@ class GradBuffer:
         return hook
 
     def flush(self) -> None:
-        """Add the gradients the hooks hold into the buffer (on the side stream: queued after what
-        the current stream has queued, which computed them)."""
-        if not self._group:
-            return
-        offsets, grads = zip(*self._group)
-        self._group, self._group_numel = [], 0
-        if self._side is None:
+        """Add the gradients the hooks hold into the buffer."""
+        if self._group:
+            offsets, grads = zip(*self._group)
             accumulate_into(self.flat, offsets, grads)
-            return
-        self._side.wait_stream(torch.cuda.current_stream(self.flat.device))
-        with torch.cuda.stream(self._side):
-            accumulate_into(self.flat, offsets, grads)
-        for g in grads:  # their memory is not reused before the adds have read them
-            g.record_stream(self._side)
-
-    def settle(self) -> None:
-        """Make the current stream wait for the adds queued on the side stream (before it reads or
-        writes the buffer)."""
-        if self._side is not None:
-            torch.cuda.current_stream(self.flat.device).wait_stream(self._side)
+            self._group, self._group_numel = [], 0
 
     def zero(self) -> None:
         """Clear the gradients before a step's first backward."""
         assert not self._works, "previous reduction still in flight"
         self._group, self._group_numel = [], 0
-        self.settle()
         self.flat.zero_()
         self._final = False
 
@@ -194,7 +174,6 @@ class GradBuffer:
 
     def _start(self, index: int) -> None:
         self.flush()  # the bucket's gradients, some maybe still held
-        self.settle()
         b = self.buckets[index]
         # asynchronous: backward continues
         if self.shards > 1 and not b.whole:
@@ -208,7 +187,6 @@ class GradBuffer:
     def finish_reduce(self) -> None:
         """Start the buckets that did not complete in backward (in order) and wait for all."""
         self.flush()
-        self.settle()
         if self.dp_group is not None:
             while self._next < len(self.buckets):
                 self._start(self._next)
