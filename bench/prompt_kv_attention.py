@@ -142,6 +142,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64, help="positions every row of a prompt shares")
     parser.add_argument("--block-size", type=int, default=0, help="positions per cache block (0: one slot per row)")
     parser.add_argument("--sweep", action="store_true", help="also time the cascade at other knob settings")
+    parser.add_argument("--sweep-ahead", action="store_true",
+                        help="also time the cascade at the engine's knobs with block numbers loaded the other way")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -163,7 +165,8 @@ def main() -> None:
         raise ValueError(f"--block-size {args.block_size}: positions per block must be positive (0: one slot per row)")
     if args.block_size and shape["max_len"] < args.block_size:
         raise ValueError(f"--block-size {args.block_size}: longer than the cache's {shape['max_len']} positions")
-    grid = [ENGINE_KNOBS, *grid] if args.sweep else []
+    flipped = (*ENGINE_KNOBS[:3], not ENGINE_KNOBS[3])
+    grid = [ENGINE_KNOBS, *grid] if args.sweep else [ENGINE_KNOBS, flipped] if args.sweep_ahead else []
     measured = measure(device, dtype, **shape, contexts=contexts, block_size=args.block_size, knobs=grid)
     rows = measured["rows"]
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
