@@ -36,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation import kernel_timed, measure_bandwidth  # noqa: E402
 
 from shardflow.engine.generate.decode_attention import (  # noqa: E402
-    BLOCK_AHEAD,
     BLOCK_N,
     NUM_STAGES,
     NUM_WARPS,
@@ -44,8 +43,6 @@ from shardflow.engine.generate.decode_attention import (  # noqa: E402
     decode_attention_triton,
 )
 from shardflow.perf.sharing import PROMPT_ROWS  # noqa: E402
-
-ENGINE_KNOBS = (BLOCK_N, NUM_WARPS, NUM_STAGES, BLOCK_AHEAD)  # what the engine runs
 
 
 def paged(k: torch.Tensor, v: torch.Tensor, block_size: int, g: torch.Generator, samples: int, prompt: int):
@@ -70,11 +67,9 @@ def paged(k: torch.Tensor, v: torch.Tensor, block_size: int, g: torch.Generator,
 
 
 def measure(device, dtype, prompts_n: int, samples: int, heads: int, kv_heads: int, d: int, prompt: int,
-            max_len: int, contexts: list[int], block_size: int = 0,
-            knobs: list[tuple[int, int, int, bool]] = ()) -> dict:
+            max_len: int, contexts: list[int], block_size: int = 0, knobs: list[tuple[int, int, int]] = ()) -> dict:
     """Per context, the engine's kernel without and with ``prompts``; per knob setting (positions per
-    inner step, warps, stages, a paged row's block numbers loaded a tile ahead), the cascade's mean
-    over the contexts."""
+    inner step, warps, stages), the cascade's mean over the contexts."""
     if samples > PROMPT_ROWS:
         raise ValueError(f"{samples} samples per prompt: one group holds at most {PROMPT_ROWS}")
     batch = prompts_n * samples
@@ -112,12 +107,12 @@ def measure(device, dtype, prompts_n: int, samples: int, heads: int, kv_heads: i
                                    - decode_attention_triton(*args, prompts).float()).abs().max().item(),
         })
     sweep = []
-    for block, warps, stages, ahead in knobs:
-        row = {"block": block, "warps": warps, "stages": stages, "ahead": ahead}
+    for block, warps, stages in knobs:
+        row = {"block": block, "warps": warps, "stages": stages}
         try:
             us = [1e6 * kernel_timed(lambda: decode_attention_triton(
                 q, k, v, slots, torch.full((batch,), c, device=device, dtype=torch.int32), None, prompts, block=block,
-                num_warps=warps, num_stages=stages, block_ahead=ahead), device) for c in contexts]
+                num_warps=warps, num_stages=stages), device) for c in contexts]
         except Exception as e:  # noqa: BLE001 - a setting may not compile (shared memory)
             sweep.append(row | {"error": str(e)[:200]})
             continue
@@ -142,15 +137,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64, help="positions every row of a prompt shares")
     parser.add_argument("--block-size", type=int, default=0, help="positions per cache block (0: one slot per row)")
     parser.add_argument("--sweep", action="store_true", help="also time the cascade at other knob settings")
-    parser.add_argument("--sweep-ahead", action="store_true",
-                        help="also time the cascade at the engine's knobs with block numbers loaded the other way")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.tiny:  # 2 prompts x 4 samples, 2 KV heads of 16, prompts of 8 positions
         shape = dict(prompts_n=2, samples=4, heads=4, kv_heads=2, d=16, prompt=8, max_len=40)
         contexts = [12, 39]
-        grid = [(16, 4, 2, True), (8, 2, 1, False)]
+        grid = [(16, 4, 2), (8, 2, 1)]
     else:  # Qwen3-1.7B's heads; by default the GRPO iteration's 32 prompts x 8 samples, 64-token prompts
         contexts = [int(c) for c in args.contexts.split(",")]
         if min(contexts) <= args.prompt_tokens:
@@ -158,15 +151,13 @@ def main() -> None:
                              f"{args.prompt_tokens} (a row decodes past its prompt)")
         shape = dict(prompts_n=args.prompts, samples=args.samples, heads=16, kv_heads=8, d=128,
                      prompt=args.prompt_tokens, max_len=max(576, max(contexts) + 1))
-        grid = [(*knobs, ahead) for ahead in (True, False) for knobs in itertools.product((32, 64, 128), (2, 4, 8),
-                                                                                          (2, 3, 4))
-                if (*knobs, ahead) != ENGINE_KNOBS and (ahead or (args.block_size and knobs[0] <= 64 and knobs[2] < 4))]
+        grid = [knobs for knobs in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))
+                if knobs != (BLOCK_N, NUM_WARPS, NUM_STAGES)]
     if args.block_size < 0:
         raise ValueError(f"--block-size {args.block_size}: positions per block must be positive (0: one slot per row)")
     if args.block_size and shape["max_len"] < args.block_size:
         raise ValueError(f"--block-size {args.block_size}: longer than the cache's {shape['max_len']} positions")
-    flipped = (*ENGINE_KNOBS[:3], not ENGINE_KNOBS[3])
-    grid = [ENGINE_KNOBS, *grid] if args.sweep else [ENGINE_KNOBS, flipped] if args.sweep_ahead else []
+    grid = [(BLOCK_N, NUM_WARPS, NUM_STAGES), *grid] if args.sweep else []
     measured = measure(device, dtype, **shape, contexts=contexts, block_size=args.block_size, knobs=grid)
     rows = measured["rows"]
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
@@ -191,15 +182,14 @@ def main() -> None:
              if "bandwidth_gb_s" in result else ""))
     if result["sweep"]:
         copy = result.get("bandwidth_gb_s")
-        print("| positions per step | warps | stages | block numbers a tile ahead | cascade us, mean over the contexts "
-              "| GB/s | of copy bandwidth |")
-        print("|---:|---:|---:|---|---:|---:|---:|")
+        print("| positions per step | warps | stages | cascade us, mean over the contexts | GB/s | of copy bandwidth |")
+        print("|---:|---:|---:|---:|---:|---:|")
         for r in sorted(result["sweep"], key=lambda r: r.get("mean_us", float("inf"))):
             if "error" in r:
-                print(f"| {r['block']} | {r['warps']} | {r['stages']} | {r['ahead']} | {r['error'][:60]} | | |")
+                print(f"| {r['block']} | {r['warps']} | {r['stages']} | {r['error'][:60]} | | |")
                 continue
             gbps = r["bytes"] / r["mean_us"] / 1e3
-            print(f"| {r['block']} | {r['warps']} | {r['stages']} | {r['ahead']} | {r['mean_us']:.1f} | {gbps:.0f} | "
+            print(f"| {r['block']} | {r['warps']} | {r['stages']} | {r['mean_us']:.1f} | {gbps:.0f} | "
                   + (f"{gbps / copy:.0%} |" if copy else " |"))
 
 

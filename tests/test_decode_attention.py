@@ -115,8 +115,7 @@ def check_paged() -> None:
     """Rows whose positions lie in scattered blocks (a paged cache) give the outputs of their
     contiguous slots: blocks of 16 and of 48 positions (tiles of 64 straddle them), of 64 and 128
     (each tile in one block; windows and splits start tiles mid-block), windows, GQA, bf16, several
-    splits, block numbers loaded a tile ahead or at their tile; and a prompt's samples sharing their
-    prompt's whole blocks, read once."""
+    splits; and a prompt's samples sharing their prompt's whole blocks, read once."""
     from shardflow.engine.generate.decode_attention import decode_attention_triton
 
     g = torch.Generator().manual_seed(5)
@@ -133,11 +132,10 @@ def check_paged() -> None:
         kp, vp, rows = paged_copy(kc, vc, slots, block, g)
         torch.testing.assert_close(decode_attention_torch(q.float(), kp.float(), vp.float(), rows, lengths, window),
                                    want, atol=1e-5, rtol=0)
-        for splits, ahead in ((1, True), (3, True), (3, False)):
-            got = decode_attention_triton(q, kp, vp, rows, lengths, window, splits=splits, block_ahead=ahead).float()
+        for splits in (1, 3):
+            got = decode_attention_triton(q, kp, vp, rows, lengths, window, splits=splits).float()
             atol = 1e-5 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(got, want, atol=atol, rtol=0,
-                                       msg=f"paged {H} {K} {d} {dtype} {window} {block} {splits} {ahead}")
+            torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"paged {H} {K} {d} {dtype} {window} {block}")
     # a prompt of 40 positions shared by rows 0-2 (two whole blocks of 16), of 5 by rows 3-4 (none)
     H, K, d, block = 4, 2, 16, 16
     groups, prompt = torch.tensor([0, 0, 0, 1, 1, -1]), torch.tensor([40, 40, 40, 5, 5, 0])

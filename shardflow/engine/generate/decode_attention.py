@@ -45,8 +45,6 @@ BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 4, 2
 # 64 KB of its 228 KB of shared memory): the splits fill one wave of them, and no more.
 PROGRAMS_PER_SM = 3
 MAX_SPLITS = 32
-# Paged rows whose tiles each lie in one block: the next tile's block number loaded one tile ahead.
-BLOCK_AHEAD = True
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
@@ -89,14 +87,14 @@ if triton is not None:
                          lo, hi, m_i, l_i, acc, scale_log2,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
                          PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAGED: tl.constexpr,
-                         TILE_IN_BLOCK: tl.constexpr, AHEAD: tl.constexpr):
+                         TILE_IN_BLOCK: tl.constexpr):
         """Online softmax of the query rows ``q`` [rows, BLOCK_D] over positions [lo, hi) of one
         KV head of a row whose blocks ``block_row`` names (``k_head``, ``v_head``: the head in
         block 0): the running max ``m_i``, sum ``l_i`` and unnormalised output ``acc``, updated
         BLOCK positions at a time. Not PAGED: the row is one block, whose base is computed once.
         TILE_IN_BLOCK (paged, blocks a multiple of BLOCK long): tiles start at multiples of BLOCK,
-        so each lies in one block, whose number is loaded one tile ahead where AHEAD (the loads of
-        a tile's keys then wait for no other load), else at the tile's own step."""
+        so each lies in one block, whose number is loaded one tile ahead (the loads of a tile's
+        keys then wait for no other load)."""
         offs_n = tl.arange(0, BLOCK)
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
@@ -108,21 +106,17 @@ if triton is not None:
             v_head = v_head + only * stride_vs
         if TILE_IN_BLOCK:  # an empty range stays empty: a tile of masked positions only would give NaNs
             first = tl.where(lo < hi, lo - lo % BLOCK, hi)
-            if AHEAD:
-                blk = tl.load(block_row + first // block_size, mask=first < hi, other=0).to(tl.int64)
+            blk = tl.load(block_row + first // block_size, mask=first < hi, other=0).to(tl.int64)
         for n0 in range(first, hi, BLOCK):
             pos = n0 + offs_n
             mask_n = (pos >= lo) & (pos < hi)
             kv_mask = mask_n[:, None] & mask_d[None, :]
             if TILE_IN_BLOCK:
-                if not AHEAD:
-                    blk = tl.load(block_row + n0 // block_size).to(tl.int64)
                 at = pos % block_size
                 k_rows = k_head + blk * stride_ks + at[:, None] * stride_kt
                 v_rows = v_head + blk * stride_vs + at[:, None] * stride_vt
-                if AHEAD:
-                    ahead = n0 + BLOCK
-                    blk = tl.load(block_row + ahead // block_size, mask=ahead < hi, other=0).to(tl.int64)
+                ahead = n0 + BLOCK
+                blk = tl.load(block_row + ahead // block_size, mask=ahead < hi, other=0).to(tl.int64)
             elif PAGED:  # a tile may straddle two blocks: each position's block from the row
                 blk_n = tl.load(block_row + pos // block_size, mask=mask_n, other=0).to(tl.int64)
                 at = pos % block_size
@@ -153,7 +147,7 @@ if triton is not None:
                        stride_bb, block_size, stride_sb, stride_sh, stride_mb, scale_log2,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_Q: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                       PAGED: tl.constexpr, TILE_IN_BLOCK: tl.constexpr, AHEAD: tl.constexpr):
+                       PAGED: tl.constexpr, TILE_IN_BLOCK: tl.constexpr):
         """Program (window of ROWS rows, KV head): for each row b of the window that leads a run of
         rows of one group (see ``decode_attention_triton``), the online-softmax state of the run's
         rows x GROUP query heads over the group's shared prompt positions, read once from b's blocks.
@@ -184,8 +178,7 @@ if triton is not None:
                 m_i, l_i, acc = attend_positions(q, K + kvh * stride_kh, V + kvh * stride_vh,
                                                  Blocks + b.to(tl.int64) * stride_bb, stride_ks, stride_kt, stride_vs,
                                                  stride_vt, block_size, 0, prompt, m_i, l_i, acc, scale_log2,
-                                                 HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST, PAGED, TILE_IN_BLOCK,
-                                                 AHEAD)
+                                                 HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST, PAGED, TILE_IN_BLOCK)
                 tl.store(Acc + rows[:, None] * stride_sb + heads[:, None] * stride_sh + offs_d[None, :], acc,
                          mask=in_run[:, None] & mask_d[None, :])
                 tl.store(Max + rows * stride_mb + heads, m_i, mask=in_run)
@@ -199,7 +192,7 @@ if triton is not None:
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
                       PRECISION: tl.constexpr, UPCAST: tl.constexpr, SHARED: tl.constexpr, PAGED: tl.constexpr,
-                      TILE_IN_BLOCK: tl.constexpr, AHEAD: tl.constexpr):
+                      TILE_IN_BLOCK: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -236,7 +229,7 @@ if triton is not None:
         block_row = Blocks + b.to(tl.int64) * stride_bb
         m_i, l_i, acc = attend_positions(q, K + kvh * stride_kh, V + kvh * stride_vh, block_row, stride_ks, stride_kt,
                                          stride_vs, stride_vt, block_size, lo, hi, m_i, l_i, acc, scale_log2, HEAD_DIM,
-                                         BLOCK_D, BLOCK, PRECISION, UPCAST, PAGED, TILE_IN_BLOCK, AHEAD)
+                                         BLOCK_D, BLOCK, PRECISION, UPCAST, PAGED, TILE_IN_BLOCK)
 
         if SPLITS == 1:  # nothing to merge: the output itself
             o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -272,8 +265,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             lengths: torch.Tensor, window: int | None,
                             prompts: tuple[torch.Tensor, torch.Tensor] | None = None, *, block: int = BLOCK_N,
                             programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
-                            num_stages: int = NUM_STAGES, splits: int | None = None,
-                            block_ahead: bool = BLOCK_AHEAD) -> torch.Tensor:
+                            num_stages: int = NUM_STAGES, splits: int | None = None) -> torch.Tensor:
     """Same contract as ``decode_attention_torch``; GPU (or ``TRITON_INTERPRET=1`` on CPU).
 
     ``prompts`` = (groups, prompt) [B] int: rows whose ``prompt`` > 0 begin with that many
@@ -282,13 +274,12 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     them, with the same ``prompt``; the first of them then reads those positions once for all (the
     other rows read only their own), which the result does not depend on. Ignored with a
     ``window``. The keyword options are the kernel's tuning knobs (benchmarks sweep them);
-    ``splits`` overrides ``num_splits``; ``block_ahead``: a paged row's next block number is loaded
-    one tile ahead (where tiles lie in blocks)."""
+    ``splits`` overrides ``num_splits``."""
     if triton is None:
         raise RuntimeError("the Triton decode attention needs the triton package")
     return _run(lambda kernel, grid: kernel[grid], q.device, q, k_cache, v_cache, blocks, lengths, window, prompts,
                 block=block, programs_per_sm=programs_per_sm, num_warps=num_warps, num_stages=num_stages,
-                splits=splits, block_ahead=block_ahead)
+                splits=splits)
 
 
 def warm_kernels(device: torch.device, dtype: torch.dtype, *, batch: int, heads: int, kv_heads: int, head_dim: int,
@@ -311,7 +302,7 @@ def warm_kernels(device: torch.device, dtype: torch.dtype, *, batch: int, heads:
 
 def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, window, prompts, *, block: int = BLOCK_N,
          programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-         splits: int | None = None, block_ahead: bool = BLOCK_AHEAD) -> torch.Tensor:
+         splits: int | None = None) -> torch.Tensor:
     """The kernels' launches: ``launch(kernel, grid)`` -> a callable taking the kernel's
     arguments (``kernel[grid]``, or a warm-up); ``device`` is the one they run on."""
     q = q.contiguous()  # a no-op for the model's q; a compiled graph may lay it out otherwise
@@ -346,7 +337,7 @@ def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, win
             prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0), scale_log2,
             GROUP=group, HEAD_DIM=d, ROWS=PROMPT_ROWS, BLOCK_Q=max(16, triton.next_power_of_2(PROMPT_ROWS * group)),
             BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, PAGED=paged,
-            TILE_IN_BLOCK=tile_in_block, AHEAD=block_ahead, num_warps=num_warps, num_stages=num_stages,
+            TILE_IN_BLOCK=tile_in_block, num_warps=num_warps, num_stages=num_stages,
         )
     launch(_split_kernel, (B, K, splits))(
         q, k_cache, v_cache, blocks, lengths, acc, row_max, row_sum, out, prompt, prompt_acc, prompt_max, prompt_sum,
@@ -355,7 +346,7 @@ def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, win
         scale_log2, window or 0,
         GROUP=group, HEAD_DIM=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, SHARED=shared, PAGED=paged,
-        TILE_IN_BLOCK=tile_in_block, AHEAD=block_ahead, num_warps=num_warps, num_stages=num_stages,
+        TILE_IN_BLOCK=tile_in_block, num_warps=num_warps, num_stages=num_stages,
     )
     if splits == 1:
         return out
