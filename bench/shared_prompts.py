@@ -60,7 +60,7 @@ from shardflow.engine.shared_prompts import (  # noqa: E402
 from shardflow.engine.train.engine import TrainEngine  # noqa: E402
 from shardflow.models import transformer  # noqa: E402
 from shardflow.models.checkpoint import load_model  # noqa: E402
-from shardflow.models.packed_attention import gather_keys, packed_attention  # noqa: E402
+from shardflow.models.packed_attention import fa4_available, gather_keys, packed_attention  # noqa: E402
 from shardflow.models.tiny import make_tiny_checkpoint  # noqa: E402
 from shardflow.models.transformer import causal_attention  # noqa: E402
 from shardflow.parallel.layout import Layout  # noqa: E402
@@ -141,8 +141,11 @@ def parity(work: Path, device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def kernels(device: torch.device) -> tuple[str, ...]:
-    """The packed attention kernels to compare: on CPU every kernel is the same masked attention."""
-    return ("varlen", "rows") if device.type == "cuda" else ("auto",)
+    """The packed attention kernels to compare: on CPU every kernel is the same masked attention;
+    FlashAttention-4's where its package is installed."""
+    if device.type != "cuda":
+        return ("auto",)
+    return ("varlen", "rows", *(("fa4",) if fa4_available() else ()))
 
 
 def attention(device: torch.device, dtype: torch.dtype, shape: dict, args) -> dict:
@@ -247,10 +250,11 @@ def speed(work: Path, device: torch.device, dtype: torch.dtype, shape: dict, arg
                      **host_work(batch, device, args.micro_batch_tokens, share, kernel)}
     for budget in args.sweep_budgets or ():
         out[f"budget_{budget}"] = budget_step(engine, batch, budget, device, args.steps)
-    if args.profile and device.type == "cuda" and "shared_rows" in out:
-        out["shared_rows"]["profile"] = kernel_profile(
-            lambda: engine.step(batch, PolicyLoss(), micro_batch_tokens=args.micro_batch_tokens, share_prompts=True,
-                                attention="rows"))
+    for kernel in ("rows", "fa4"):
+        if args.profile and device.type == "cuda" and f"shared_{kernel}" in out:
+            out[f"shared_{kernel}"]["profile"] = kernel_profile(
+                lambda: engine.step(batch, PolicyLoss(), micro_batch_tokens=args.micro_batch_tokens,
+                                    share_prompts=True, attention=kernel))
     return out
 
 
@@ -331,7 +335,8 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true", help="no training steps (parity and attention only)")
     parser.add_argument("--profile", action="store_true", help="kernel profile of one shared step (GPU)")
     parser.add_argument("--cases", type=lambda v: v.split(","), default=None,
-                        help="training steps of these rows only (padded, shared_varlen, shared_rows; default all)")
+                        help="training steps of these rows only (padded, shared_varlen, shared_rows, shared_fa4; "
+                             "default all)")
     parser.add_argument("--trial-tokens", type=int, default=transformer.TRIAL_TOKENS,
                         help="tokens of the compiled layers' first call, whose sizes their kernels are tuned for (GPU)")
     parser.add_argument("--sweep-budgets", type=lambda v: [int(x) for x in v.split(",")], default=None,
@@ -340,7 +345,7 @@ def main() -> None:
     parser.add_argument("--host-only", action="store_true",
                         help="only the host's work on the micro-batches of each case (no model; any machine)")
     args = parser.parse_args()
-    known = {"padded", "shared_varlen", "shared_rows", "shared_auto"}
+    known = {"padded", "shared_varlen", "shared_rows", "shared_fa4", "shared_auto"}
     if args.cases is not None and not set(args.cases) <= known:
         parser.error(f"unknown --cases {sorted(set(args.cases) - known)}; known: {sorted(known)}")
     transformer.TRIAL_TOKENS = args.trial_tokens
@@ -401,10 +406,12 @@ def main() -> None:
                 else:
                     print(f"| {row['budget']} | {row['step_s']:.3f} | {row['micro_batches']:.0f} | "
                           f"{row.get('peak_gib', float('nan')):.1f} |")
-        prof = result["speed"].get("shared_rows", {}).get("profile")
-        if prof is not None:
+        for kernel in ("rows", "fa4"):
+            prof = result["speed"].get(f"shared_{kernel}", {}).get("profile")
+            if prof is None:
+                continue
             kinds = ", ".join(f"{k} {v:.0f} ms" for k, v in sorted(prof["device_ms_by_kind"].items(), key=lambda kv: -kv[1]))
-            print(f"profiled shared step (rows): {prof['wall_ms']:.0f} ms wall; device time: {kinds}")
+            print(f"profiled shared step ({kernel}): {prof['wall_ms']:.0f} ms wall; device time: {kinds}")
             print_idle(prof["idle"])
             for k in prof["top"]:
                 print(f"    {k['ms']:8.1f} ms x{k['calls']:<5} {k['name']}")

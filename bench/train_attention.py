@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from iteration import WORKLOADS, measure_rates  # noqa: E402
-from shared_prompts import group_batch  # noqa: E402
+from shared_prompts import group_batch, kernels  # noqa: E402
 
 from shardflow.engine.shared_prompts import group_by_prompt, make_shared_micro_batches, split_rows  # noqa: E402
 from shardflow.models.packed_attention import packed_attention  # noqa: E402
@@ -97,7 +97,7 @@ def case(workload: dict, budget: int, device: torch.device, dtype: torch.dtype, 
             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cuDNN", SDPBackend.CUDNN_ATTENTION),
                                   ("memory-efficient", SDPBackend.EFFICIENT_ATTENTION)):
                 yield f"padded, {name}", "padded", sdpa(backend)
-        for kernel in (("varlen", "rows") if device.type == "cuda" else ("auto",)):
+        for kernel in kernels(device):
             m = make_shared_micro_batches(batch, runs[:1], device, outputs_at="loss_mask", attention=kernel)[0]
             yield f"shared, {kernel}", "shared", lambda q, k, v, m=m: packed_attention(q, k, v, m.packed)
 

@@ -13,6 +13,7 @@ import transformers
 from test_inference import infer_job
 from train_reference import make_group_batch, reference_outputs, replica_share
 
+from shardflow.config.load import load_config
 from shardflow.data.batch import SequenceBatch
 from shardflow.engine.inference import infer
 from shardflow.engine.shared_prompts import (
@@ -23,11 +24,13 @@ from shardflow.engine.shared_prompts import (
     plan_micro_batches,
     split_rows,
 )
+from shardflow.models import packed_attention as packed_attention_module
 from shardflow.models.checkpoint import load_model
 from shardflow.models.packed_attention import (LENGTH_MULTIPLE, ROWS_MULTIPLE, PackedSequences, attend_rows, gather_keys,
                                                packed_attention)
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
+from shardflow.runtime.validate import check_config
 
 BUDGET = 40  # packed tokens per micro-batch: prompts with four samples need two rows
 
@@ -193,6 +196,18 @@ def test_rows_hold_each_sample_and_take_each_query_from_one_row():
         PackedSequences.build(torch.tensor([0, 1, 2, 0, 1]), [2, 1], [2, 3], kernel="rows")
     with pytest.raises(ValueError, match="unknown packed attention kernel 'fast'"):
         PackedSequences.build(torch.arange(3), [3], [3], kernel="fast")
+
+
+def test_fa4_kernel_without_its_package_is_refused_before_the_run(monkeypatch):
+    """Choosing FlashAttention-4 where it is not installed fails when the settings are checked,
+    naming the setting's value and the package, not at the first micro-batch."""
+    monkeypatch.setattr(packed_attention_module, "fa4_available", lambda: False)
+    with pytest.raises(ValueError, match="kernel 'fa4' needs FlashAttention-4"):
+        PackedSequences.build(torch.arange(3), [3], [3], kernel="fa4")
+    base = {"models": {"actor": {"path": "a"}}, "data": {"path": "d.jsonl"}, "generation": {"samples_per_prompt": 4}}
+    with pytest.raises(ValueError, match="kernel 'fa4' needs FlashAttention-4"):
+        check_config(load_config(None, ["algorithm.packed_attention=fa4"], base=base))
+    check_config(load_config(None, ["algorithm.packed_attention=varlen"], base=base))  # the others need nothing
 
 
 def test_rows_kernel_equals_the_masked_attention_with_its_gradients():

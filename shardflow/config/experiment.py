@@ -283,9 +283,10 @@ class AlgorithmConfig(Settings):
                                         "where that saves 5% of the tokens or more (packed rows; the same outputs)")
     packed_attention: str = setting("auto", "GPU kernel of shared prompts' attention: rows (each sample a padded row "
                                             "of its prompt and tokens, cuDNN's kernel on Hopper), varlen (flash "
-                                            "attention's variable-length kernel, no padding), auto (rows where "
+                                            "attention's variable-length kernel, no padding), fa4 (the same through "
+                                            "FlashAttention-4, the flash-attn-4 package), auto (rows where "
                                             "cuDNN runs and padding costs less than it gains)",
-                                    choices=("auto", "rows", "varlen"))
+                                    choices=("auto", "rows", "varlen", "fa4"))
     advantage: str | None = setting(None, "advantage estimator (rl.advantages) " + PRESET)
     policy_loss: str | None = setting(None, "policy loss (rl.losses): ppo_clip (per token) or gspo (per "
                                             "sequence ratio) " + PRESET)

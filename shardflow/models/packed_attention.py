@@ -18,6 +18,9 @@ Kernels (``kernel`` of ``PackedSequences``), on CUDA in half precision:
   each of its samples' rows (p^2/2 pairs against a sample's n^2/2), and padding costs its pairs.
 - ``varlen``: the keys gathered per sequence (a prompt's once per sample), then flash attention's
   variable-length kernel: no padding, nothing computed twice.
+- ``fa4``: the same layout as ``varlen`` through FlashAttention-4's variable-length kernels (the
+  optional ``flash-attn-4`` package, CuTe DSL; compute capability 9.x and 10.x): GQA inside the
+  kernel, no padding, nothing computed twice.
 - ``auto``: ``rows`` where attention runs cuDNN's kernel (compute capability 9.0 and up) and the
   rows' padded pairs are at most ``ROWS_SPEEDUP`` times the sequences' own, else ``varlen``.
 Elsewhere (CPU, float32) every kernel is one masked ``scaled_dot_product_attention`` over the
@@ -26,6 +29,7 @@ sequences padded to the longest.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,7 +39,7 @@ import torch.nn.functional as F
 
 from shardflow.data.batch import to_device
 
-KERNELS = ("auto", "rows", "varlen")
+KERNELS = ("auto", "rows", "varlen", "fa4")
 # cuDNN's causal attention over padded rows against flash attention's variable-length kernel over
 # the same sequences, forward + backward on an H200 (bench/train_attention.py, Qwen3 heads):
 # 1.9x on the GRPO iteration's micro-batch, 1.85x on 1224-token sequences. Rows win while their
@@ -178,8 +182,7 @@ class PackedSequences:
     def build(cls, kv_index: torch.Tensor, q_lens: list[int], k_lens: list[int], *,
               kernel: str = "auto") -> "PackedSequences":
         """From the key slots' tokens and the sequences' query and key lengths (host values)."""
-        if kernel not in KERNELS:
-            raise ValueError(f"unknown packed attention kernel {kernel!r}; one of {', '.join(KERNELS)}")
+        check_kernel(kernel)
         cumsum = lambda n: torch.tensor([0, *n], dtype=torch.int32).cumsum(0, dtype=torch.int32)  # noqa: E731
         pairs = sum(lq * (lk - lq) + lq * (lq + 1) // 2 for lq, lk in zip(q_lens, k_lens))
         rows = Rows.build(kv_index, q_lens, k_lens)
@@ -215,7 +218,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Pa
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         if seqs.use_rows(q.device):
             return attend_rows(q, k, v, seqs.rows)
-        return _flash_varlen(q, seqs.keys(k), seqs.keys(v), seqs)
+        varlen = _fa4_varlen if seqs.kernel == "fa4" else _flash_varlen
+        return varlen(q, seqs.keys(k), seqs.keys(v), seqs)
     return _padded_sequences(q, seqs.keys(k), seqs.keys(v), seqs)
 
 
@@ -256,6 +260,32 @@ def _flash_varlen(q, k, v, seqs: PackedSequences) -> torch.Tensor:
     extra = {"enable_gqa": True} if _varlen_takes_gqa() and q.shape[1] != k.shape[1] else {}
     # window (-1, 0): causal, aligned at the sequences' ends when queries are fewer than keys
     return varlen_attn(q, k, v, seqs.cu_q, seqs.cu_k, seqs.max_q, seqs.max_k, window_size=(-1, 0), **extra)
+
+
+def fa4_available() -> bool:
+    """Whether FlashAttention-4's kernels (``flash_attn.cute``, the ``flash-attn-4`` package) can be imported."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:  # no flash_attn at all
+        return False
+
+
+def check_kernel(kernel: str) -> None:
+    """A clear error, before any work, for a kernel that is unknown or whose package is missing."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown packed attention kernel {kernel!r}; one of {', '.join(KERNELS)}")
+    if kernel == "fa4" and not fa4_available():
+        raise ValueError("packed attention kernel 'fa4' needs FlashAttention-4 (pip install flash-attn-4: the "
+                         "flash_attn.cute module), which is not installed")
+
+
+def _fa4_varlen(q, k, v, seqs: PackedSequences) -> torch.Tensor:
+    from flash_attn.cute import flash_attn_varlen_func
+
+    # causal with fewer queries than keys: aligned at the sequences' ends, as varlen_attn's window
+    out, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q=seqs.cu_q, cu_seqlens_k=seqs.cu_k, max_seqlen_q=seqs.max_q,
+                                    max_seqlen_k=seqs.max_k, causal=True)
+    return out
 
 
 @lru_cache(maxsize=1)

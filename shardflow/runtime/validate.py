@@ -22,6 +22,7 @@ from shardflow.config.files import read_json
 from shardflow.config.model import ModelConfig
 from shardflow.data.prompts import Prompt, load_prompts
 from shardflow.data.sources import Source, check_source, source_of
+from shardflow.models.packed_attention import check_kernel
 from shardflow.plan.execution_plan import ExecutionPlan, symmetric_plan
 from shardflow.plan.memory import rank_params
 from shardflow.rl.algorithms import algorithm_named
@@ -104,6 +105,7 @@ def check_config(config: ExperimentConfig) -> Checked:
                              f"run has {steps} optimizer step(s) and warmup_steps={optim.warmup_steps}")
     if bool(config.data.path) == bool(config.data.dataset):
         raise ValueError("data.path or data.dataset is required (one of them, not both)")
+    check_kernel(algo.packed_attention)
     check_rollout(config, algorithm)
     check_eval(config, algorithm.online)
     return Checked(config, algorithm, graph)
