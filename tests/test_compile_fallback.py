@@ -57,6 +57,8 @@ def test_the_compile_cache_goes_where_the_run_says_and_workers_start_early(tmp_p
     from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", raising=False)
+    monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
     # importing torch's compiler writes its default into the environment: that is no one's choice
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(default_cache_dir()))
     # the configs' own patching (an alias among them is not an attribute that monkeypatch restores)
@@ -66,6 +68,8 @@ def test_the_compile_cache_goes_where_the_run_says_and_workers_start_early(tmp_p
         assert use_compile_cache(str(tmp_path / "cache")) == tmp_path / "cache"
         assert cache_dir() == str(tmp_path / "cache" / f"inductor-trial{TRIAL_TOKENS}")
         assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "cache" / "triton")
+        assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(tmp_path / "cache" / "flash_attn_cute")
+        assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
         assert torch._inductor.config.fx_graph_cache and torch._functorch.config.enable_autograd_cache
         # a directory set by someone (a cluster's shared cache) stays
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "shared"))

@@ -189,7 +189,7 @@ def test_rows_hold_each_sample_and_take_each_query_from_one_row():
     # the keys' backward adds the prompt's second reading, not padding (which no real query sees)
     assert rows.keys.extra_slot.tolist() == [L, L + 1] and rows.keys.extra_token.tolist() == [0, 1]
     assert rows.pairs == ROWS_MULTIPLE * L * (L + 1) // 2 and seqs.pairs == 3 + 7 + 3 + 1
-    assert seqs.use_rows(torch.device("cpu")) is False  # auto: no cuDNN kernel here
+    assert seqs.kernel_on(torch.device("cpu"), 8) == "varlen"  # auto: no cuDNN or FlashAttention-4 kernel here
     # keys whose last slots are not the sequence's own queries have no rows
     assert PackedSequences.build(torch.tensor([0, 1, 2, 0, 1]), [2, 1], [2, 3]).rows is None
     with pytest.raises(ValueError, match="the rows kernel needs sequences whose last keys are their own queries"):

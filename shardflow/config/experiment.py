@@ -284,8 +284,9 @@ class AlgorithmConfig(Settings):
     packed_attention: str = setting("auto", "GPU kernel of shared prompts' attention: rows (each sample a padded row "
                                             "of its prompt and tokens, cuDNN's kernel on Hopper), varlen (flash "
                                             "attention's variable-length kernel, no padding), fa4 (the same through "
-                                            "FlashAttention-4, the flash-attn-4 package), auto (rows where "
-                                            "cuDNN runs and padding costs less than it gains)",
+                                            "FlashAttention-4, the flash-attn-4 package), auto (fa4 where it is "
+                                            "installed and runs, else rows where cuDNN runs and padding costs less "
+                                            "than it gains, else varlen)",
                                     choices=("auto", "rows", "varlen", "fa4"))
     advantage: str | None = setting(None, "advantage estimator (rl.advantages) " + PRESET)
     policy_loss: str | None = setting(None, "policy loss (rl.losses): ppo_clip (per token) or gspo (per "

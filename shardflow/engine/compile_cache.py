@@ -1,7 +1,7 @@
 """Compiled code that outlives the process: a run's first iteration reuses what an earlier run compiled.
 
-torch.compile's graphs (inductor's FX graph cache, AOTAutograd's forward and backward graphs) and
-triton's kernels are cached on disk by content. By default both caches sit under the temporary
+torch.compile's graphs (inductor's FX graph cache, AOTAutograd's forward and backward graphs),
+triton's kernels and FlashAttention-4's are cached on disk by content. By default both caches sit under the temporary
 directory, which machines clear; ``use_compile_cache`` moves them to a directory of the run's
 choosing (``run.compile_cache``) and turns both graph caches on. Variables already set in the
 environment win, so a cluster's shared cache stays in charge, except inductor's at torch's own default
@@ -50,6 +50,9 @@ def use_compile_cache(directory: str) -> Path | None:
     # layers' trial, ``TRIAL_TOKENS``): graphs compiled for another trial size must not be found.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / f"inductor-trial{TRIAL_TOKENS}"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+    # FlashAttention-4's compiled kernels (the fa4 packed attention), read when it is first imported
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(root / "flash_attn_cute"))
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
     return root
