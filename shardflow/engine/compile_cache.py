@@ -1,8 +1,8 @@
 """Compiled code that outlives the process: a run's first iteration reuses what an earlier run compiled.
 
 torch.compile's graphs (inductor's FX graph cache, AOTAutograd's forward and backward graphs),
-triton's kernels and FlashAttention-4's are cached on disk by content. By default both caches sit under the temporary
-directory, which machines clear; ``use_compile_cache`` moves them to a directory of the run's
+triton's kernels and FlashAttention-4's are cached on disk by content. By default they sit under the
+temporary directory, which machines clear; ``use_compile_cache`` moves them to a directory of the run's
 choosing (``run.compile_cache``) and turns both graph caches on. Variables already set in the
 environment win, so a cluster's shared cache stays in charge, except inductor's at torch's own default
 (the temporary directory): importing torch's compiler writes that default into the environment.
