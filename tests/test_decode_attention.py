@@ -17,8 +17,24 @@ import torch
 
 from background import WORKERS, Background
 from shardflow.engine.generate.decode_attention import decode_attention_torch
+from shardflow.models.transformer import QueryPrep
 
 pytest.importorskip("triton")
+
+
+def raw_queries(rows: int, H: int, K: int, d: int, dtype: torch.dtype, g: torch.Generator,
+                norm: bool) -> tuple[torch.Tensor, QueryPrep]:
+    """Raw queries as the decode step passes them (a view of a q/k/v product's rows) and what
+    prepares them: a norm weight (where ``norm``) and rotary tables of positions up to 300."""
+    q = torch.randn(rows, (H + 2 * K) * d, generator=g).to(dtype).view(rows, H + 2 * K, d)[:, :H]
+    angles = torch.randint(0, 300, (rows, 1), generator=g) * torch.rand(d // 2, generator=g)
+    angles = torch.cat([angles, angles], -1)
+    weight = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype) if norm else None
+    return q, QueryPrep(weight, 1e-6, angles.cos().to(dtype), angles.sin().to(dtype))
+
+
+def as_float(prep: QueryPrep) -> QueryPrep:
+    return QueryPrep(*(t.float() if isinstance(t, torch.Tensor) else t for t in prep))
 
 
 def check_kernel() -> None:
@@ -49,6 +65,14 @@ def check_kernel() -> None:
             atol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got, want, atol=atol, rtol=0,
                                        msg=f"{H} {K} {d} {dtype} {window} {rows} splits {splits}")
+        for norm in (True, False):  # raw queries, normed (or not) and rotated in the kernel
+            raw, prep = raw_queries(rows, H, K, d, dtype, g, norm)
+            want = decode_attention_torch(raw, kc, vc, slots, lengths, window, None, prep).float()
+            for splits in (1, 3):
+                got = decode_attention_triton(raw, kc, vc, slots, lengths, window, None, prep, splits=splits).float()
+                atol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: q rounded in other places
+                torch.testing.assert_close(got, want, atol=atol, rtol=0,
+                                           msg=f"prepared {norm} {H} {K} {d} {dtype} {window} {rows} {splits}")
 
 
 def check_shared_prompts() -> None:
@@ -82,6 +106,11 @@ def check_shared_prompts() -> None:
     for splits in (1, 3):
         got = decode_attention_triton(q, kc, vc, slots, lengths, None, (groups, prompt), splits=splits)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"shared prompts, splits {splits}")
+    raw, prep = raw_queries(rows, H, K, d, torch.float32, g, norm=True)  # the prompt kernel prepares them too
+    want = decode_attention_torch(raw, kc, vc, slots, lengths, None, None, prep)
+    for splits in (1, 3):
+        got = decode_attention_triton(raw, kc, vc, slots, lengths, None, (groups, prompt), prep, splits=splits)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"shared prompts, raw queries, splits {splits}")
 
 
 def paged_copy(kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, block: int, g: torch.Generator,
@@ -277,11 +306,11 @@ def test_kernels_compile_for_hopper(monkeypatch):
     from shardflow.engine.generate import decode_attention as da
 
     pointers = {"Q": "bf16", "K": "bf16", "V": "bf16", "Out": "bf16", "Blocks": "i64", "Lengths": "i64",
-                "Groups": "i64", "Prompt": "i64"}
+                "Groups": "i64", "Prompt": "i64", "QNorm": "bf16", "Cos": "bf16", "Sin": "bf16"}
 
     def compile_for_hopper(fn, constants: dict) -> None:
         types = {n: "constexpr" if n in constants else f"*{pointers.get(n, 'fp32')}" if n[0].isupper()
-                 else "fp32" if n == "scale_log2" else "i32" for n in fn.arg_names}
+                 else "fp32" if n in ("scale_log2", "eps") else "i32" for n in fn.arg_names}
         source = ASTSource(fn=fn, signature=types,
                            constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
         triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": da.NUM_WARPS,
@@ -289,12 +318,15 @@ def test_kernels_compile_for_hopper(monkeypatch):
 
     knobs = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK=da.BLOCK_N, PRECISION="tf32", UPCAST=False)
     variants = []
-    for group in (2, 4):  # Qwen3-1.7B's and LLaMA-3.1-8B's query heads per KV head
+    # Qwen3-1.7B's (queries normed) and LLaMA-3.1-8B's query heads per KV head; the raw queries as
+    # the decode step passes them, and prepared ones (the benchmarks')
+    for group, prep in ((2, dict(PREP=True, QNORM=True)), (4, dict(PREP=True, QNORM=False)),
+                        (2, dict(PREP=False, QNORM=False))):
         for paged in (False, True):
             for splits, shared in ((1, False), (3, False), (1, True), (3, True)):
-                variants.append((da._split_kernel, dict(knobs, GROUP=group, SPLITS=splits, BLOCK_H=16,
+                variants.append((da._split_kernel, dict(knobs, **prep, GROUP=group, SPLITS=splits, BLOCK_H=16,
                                                         SHARED=shared, PAGED=paged)))
-            variants.append((da._prompt_kernel, dict(knobs, GROUP=group, ROWS=da.PROMPT_ROWS,
+            variants.append((da._prompt_kernel, dict(knobs, **prep, GROUP=group, ROWS=da.PROMPT_ROWS,
                                                      BLOCK_Q=max(16, da.PROMPT_ROWS * group), PAGED=paged)))
     with ThreadPoolExecutor(WORKERS) as pool:  # Triton's passes and ptxas run outside the GIL
         list(pool.map(lambda variant: compile_for_hopper(*variant), variants))

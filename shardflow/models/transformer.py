@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -73,15 +73,42 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, in float32, scaled by ``weight`` in x's dtype."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of x [..., d] by tables cos, sin broadcast against it."""
+    return x * cos + rotate_half(x) * sin
+
+
+class QueryPrep(NamedTuple):
+    """A raw query projection [B,h,d] into the query attention takes: RMSNorm per head by
+    ``norm_weight`` (None: the model norms no queries) with ``eps``, then rotary by the rows'
+    tables cos, sin [B,d] (``prepare_query``)."""
+    norm_weight: torch.Tensor | None
+    eps: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def prepare_query(q: torch.Tensor, prep: QueryPrep) -> torch.Tensor:
+    """q [B,h,d] raw -> normed (where the model norms queries) and rotated, as ``Attention.project``."""
+    if prep.norm_weight is not None:
+        q = rms_norm(q, prep.norm_weight, prep.eps)
+    return rotary(q, prep.cos[:, None], prep.sin[:, None])
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -127,8 +154,11 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.decode_qkv: Product | None = None  # q/k/v in one product, for no-grad forwards
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [B,T,H] -> q [B,T,h,d], k and v [B,T,k,d], q and k normed (where the model does) and rotated."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                prepare_queries: bool = True) -> tuple[torch.Tensor, ...]:
+        """x [B,T,H] -> q [B,T,h,d], k and v [B,T,k,d], q and k normed (where the model does) and rotated.
+        Without ``prepare_queries`` q is the projection as it comes (a view of the product), for an
+        attention that norms and rotates its queries itself (``query_prep``)."""
         B, T, _ = x.shape
         x = copy_to_tp(x, self.group)
         if self.decode_qkv is not None and not torch.is_grad_enabled():
@@ -140,12 +170,17 @@ class Attention(nn.Module):
         q = q.reshape(B, T, self.num_heads, self.head_dim)
         k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
         v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B,T,1,d]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if prepare_queries:
+            q = rotary(q if self.q_norm is None else self.q_norm(q), cos, sin)
+        k = rotary(k if self.k_norm is None else self.k_norm(k), cos, sin)
         return q, k, v
+
+    def query_prep(self, cos: torch.Tensor, sin: torch.Tensor) -> QueryPrep:
+        """What turns this layer's raw queries (``project(..., prepare_queries=False)``) at rows with
+        rotary tables cos, sin [B,d] into the queries attention takes."""
+        norm = self.q_norm
+        return QueryPrep(None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, cos, sin)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """[B,T,h,d] attention output -> [B,T,H]."""

@@ -17,6 +17,10 @@ where a block is a slot). Two implementations with the same contract:
   all their query heads over the prompt from one row's copy, and the split kernel continues from
   it over each row's own positions. Tested on CPU with ``TRITON_INTERPRET=1``.
 
+Both take the query as it is (``q``) or, with ``prep`` (``models.transformer.QueryPrep``), as the
+projection comes out of the product: the kernels then norm and rotate it as they load it, which in
+the decode step spares a kernel per layer (its own launch, its reads and writes of q).
+
 Shapes: B requests, H local query heads, K local KV heads, S cache blocks of N positions, n blocks
 per row, d head dim.
 """
@@ -29,6 +33,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from shardflow.models.transformer import QueryPrep, prepare_query
 from shardflow.models.triton_warmup import warmup
 from shardflow.perf.sharing import PROMPT_ROWS
 
@@ -49,13 +54,16 @@ MAX_SPLITS = 32
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                            lengths: torch.Tensor, window: int | None,
-                           prompts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           prompts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           prep: QueryPrep | None = None) -> torch.Tensor:
     """q [B,H,d]; caches [S,K,N,d]; blocks [B, n] (or [B]), lengths [B] -> [B,H,d].
 
     Row b attends to positions [max(0, lengths[b] - window), lengths[b]) of its blocks.
     ``prompts`` (see ``decode_attention_triton``) changes which copy of a shared prompt is read,
-    not the result; this path reads every row's own.
+    not the result; this path reads every row's own. ``prep``: q is raw, prepared first.
     """
+    if prep is not None:
+        q = prepare_query(q, prep)
     blocks = blocks[:, None] if blocks.dim() == 1 else blocks
     B, n = blocks.shape
     _, K, N, d = k_cache.shape
@@ -81,6 +89,35 @@ def num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, pr
 
 
 if triton is not None:
+
+    @triton.jit
+    def load_query(Q, rows, heads, mask, stride_qb, stride_qh, QNorm, Cos, Sin, stride_cb, stride_sb, eps,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PREP: tl.constexpr, QNORM: tl.constexpr):
+        """The queries [len(rows), BLOCK_D] of ``heads`` at ``rows`` (``mask``: the real ones), in Q's
+        dtype. PREP: Q holds the raw projection, normed here per head where QNORM (weight QNorm,
+        ``eps``) and rotated by the rows' tables Cos, Sin [B, d], as ``models.transformer.prepare_query``
+        does: the norm in float32 rounded to Q's dtype, then its weight, then the rotation."""
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        both = mask[:, None] & mask_d[None, :]
+        at = Q + rows[:, None].to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+        q = tl.load(at + offs_d[None, :], mask=both, other=0.0)
+        if PREP:
+            half = HEAD_DIM // 2  # rotate_half: the first half takes minus the second, the second the first
+            partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+            x = q.to(tl.float32)
+            y = tl.load(at + partner[None, :], mask=both, other=0.0).to(tl.float32)
+            if QNORM:
+                r = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+                w = tl.load(QNorm + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+                w_y = tl.load(QNorm + partner, mask=mask_d, other=0.0).to(tl.float32)
+                x = ((x * r).to(q.dtype).to(tl.float32) * w[None, :]).to(q.dtype).to(tl.float32)
+                y = ((y * r).to(q.dtype).to(tl.float32) * w_y[None, :]).to(q.dtype).to(tl.float32)
+            cos = tl.load(Cos + rows[:, None].to(tl.int64) * stride_cb + offs_d[None, :], mask=both, other=0.0)
+            sin = tl.load(Sin + rows[:, None].to(tl.int64) * stride_sb + offs_d[None, :], mask=both, other=0.0)
+            y = tl.where(offs_d[None, :] < half, -y, y)
+            q = (x * cos.to(tl.float32) + y * sin.to(tl.float32)).to(q.dtype)
+        return q
 
     @triton.jit
     def attend_positions(q, k_head, v_head, block_row, stride_ks, stride_kt, stride_vs, stride_vt, block_size,
@@ -142,12 +179,12 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
-    def _prompt_kernel(Q, K, V, Blocks, Groups, Prompt, Acc, Max, Sum, batch,
+    def _prompt_kernel(Q, K, V, Blocks, Groups, Prompt, Acc, Max, Sum, QNorm, Cos, Sin, batch,
                        stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
-                       stride_bb, block_size, stride_sb, stride_sh, stride_mb, scale_log2,
+                       stride_bb, block_size, stride_cb, stride_cs, eps, stride_sb, stride_sh, stride_mb, scale_log2,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_Q: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                       PAGED: tl.constexpr, TILE_IN_BLOCK: tl.constexpr):
+                       PAGED: tl.constexpr, TILE_IN_BLOCK: tl.constexpr, PREP: tl.constexpr, QNORM: tl.constexpr):
         """Program (window of ROWS rows, KV head): for each row b of the window that leads a run of
         rows of one group (see ``decode_attention_triton``), the online-softmax state of the run's
         rows x GROUP query heads over the group's shared prompt positions, read once from b's blocks.
@@ -168,8 +205,8 @@ if triton is not None:
                 rows = b + offs_q // GROUP
                 in_run = (offs_q < ROWS * GROUP) & (rows < batch)
                 in_run = in_run & (tl.load(Groups + rows, mask=in_run, other=-1) == group)
-                q = tl.load(Q + rows[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                            mask=in_run[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_Q, BLOCK_D]
+                q = load_query(Q, rows, heads, in_run, stride_qb, stride_qh, QNorm, Cos, Sin, stride_cb, stride_cs,
+                               eps, HEAD_DIM, BLOCK_D, PREP, QNORM)  # [BLOCK_Q, BLOCK_D]
                 if UPCAST:
                     q = q.to(tl.float32)
                 m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
@@ -186,13 +223,14 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(Q, K, V, Blocks, Lengths, Acc, Max, Sum, Out, Prompt, PromptAcc, PromptMax, PromptSum,
+                      QNorm, Cos, Sin,
                       stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
-                      stride_bb, block_size, stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob,
-                      stride_oh, stride_sb, stride_sh, stride_pmb, scale_log2, window,
+                      stride_bb, block_size, stride_cb, stride_cs, eps, stride_ab, stride_ah, stride_as, stride_mb,
+                      stride_mh, stride_ob, stride_oh, stride_sb, stride_sh, stride_pmb, scale_log2, window,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
                       PRECISION: tl.constexpr, UPCAST: tl.constexpr, SHARED: tl.constexpr, PAGED: tl.constexpr,
-                      TILE_IN_BLOCK: tl.constexpr):
+                      TILE_IN_BLOCK: tl.constexpr, PREP: tl.constexpr, QNORM: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -212,8 +250,8 @@ if triton is not None:
         mask_h = offs_h < GROUP
         mask_d = offs_d < HEAD_DIM
         heads = kvh * GROUP + offs_h
-        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+        q = load_query(Q, b + offs_h * 0, heads, mask_h, stride_qb, stride_qh, QNorm, Cos, Sin, stride_cb, stride_cs,
+                       eps, HEAD_DIM, BLOCK_D, PREP, QNORM)  # [BLOCK_H, BLOCK_D]
         if UPCAST:
             q = q.to(tl.float32)
         if SHARED:  # the first split starts from the prompt's state (empty for rows without one)
@@ -263,7 +301,8 @@ if triton is not None:
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                             lengths: torch.Tensor, window: int | None,
-                            prompts: tuple[torch.Tensor, torch.Tensor] | None = None, *, block: int = BLOCK_N,
+                            prompts: tuple[torch.Tensor, torch.Tensor] | None = None, prep: QueryPrep | None = None,
+                            *, block: int = BLOCK_N,
                             programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
                             num_stages: int = NUM_STAGES, splits: int | None = None) -> torch.Tensor:
     """Same contract as ``decode_attention_torch``; GPU (or ``TRITON_INTERPRET=1`` on CPU).
@@ -278,35 +317,51 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if triton is None:
         raise RuntimeError("the Triton decode attention needs the triton package")
     return _run(lambda kernel, grid: kernel[grid], q.device, q, k_cache, v_cache, blocks, lengths, window, prompts,
-                block=block, programs_per_sm=programs_per_sm, num_warps=num_warps, num_stages=num_stages,
+                prep, block=block, programs_per_sm=programs_per_sm, num_warps=num_warps, num_stages=num_stages,
                 splits=splits)
 
 
 def warm_kernels(device: torch.device, dtype: torch.dtype, *, batch: int, heads: int, kv_heads: int, head_dim: int,
-                 block_size: int, blocks_per_row: int, windows: Sequence[int | None], shared: bool) -> None:
+                 block_size: int, blocks_per_row: int, windows: Sequence[int | None], shared: bool,
+                 qk_norm: bool) -> None:
     """Compile, without launching, the kernels that a decode step of ``batch`` rows launches on
     ``device`` over a cache of blocks of ``block_size`` positions, ``blocks_per_row`` a row (1: a
     contiguous cache, whose block is the row's slot), for each layer's ``window`` and, where
-    ``shared``, with prompt-KV sharing: ``_run`` computes the launches' arguments as for a step,
+    ``shared``, with prompt-KV sharing, the queries raw (normed here where ``qk_norm``, as the decode
+    step passes them): ``_run`` computes the launches' arguments as for a step,
     from tensors on the meta device, which have the step's dtypes, shapes and strides (what Triton
     specialises on) and no memory."""
     meta = torch.device("meta")
-    q = torch.empty(batch, heads, head_dim, dtype=dtype, device=meta)
+    # a view of the q/k/v product's output, as the decode step's raw queries are
+    q = torch.empty(batch, heads + 2 * kv_heads, head_dim, dtype=dtype, device=meta)[:, :heads]
+    table = torch.empty(batch, head_dim, dtype=dtype, device=meta)
+    prep = QueryPrep(torch.empty(head_dim, dtype=dtype, device=meta) if qk_norm else None, 1e-6, table, table)
     cache = torch.empty(1, kv_heads, block_size, head_dim, dtype=dtype, device=meta)
     blocks = torch.empty(batch, *([blocks_per_row] if blocks_per_row > 1 else []), dtype=torch.int64, device=meta)
     lengths = torch.empty(batch, dtype=torch.int64, device=meta)
 
     for window in dict.fromkeys(windows):
-        _run(warmup, device, q, cache, cache, blocks, lengths, window, (lengths, lengths) if shared else None)
+        _run(warmup, device, q, cache, cache, blocks, lengths, window, (lengths, lengths) if shared else None, prep)
 
 
-def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, window, prompts, *, block: int = BLOCK_N,
-         programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-         splits: int | None = None) -> torch.Tensor:
+def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, window, prompts, prep, *,
+         block: int = BLOCK_N, programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
+         num_stages: int = NUM_STAGES, splits: int | None = None) -> torch.Tensor:
     """The kernels' launches: ``launch(kernel, grid)`` -> a callable taking the kernel's
     arguments (``kernel[grid]``, or a warm-up); ``device`` is the one they run on."""
-    q = q.contiguous()  # a no-op for the model's q; a compiled graph may lay it out otherwise
+    if q.stride(2) != 1:  # rows and heads at any stride (a view of the q/k/v product); each head's values together
+        q = q.contiguous()
     B, H, d = q.shape
+    if prep is not None:
+        cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (prep.cos, prep.sin))
+        norm, eps = prep.norm_weight, prep.eps
+    else:  # unread
+        cos = sin = q
+        norm, eps = None, 0.0
+    assert prep is None or (cos.shape == sin.shape == (B, d) and d % 2 == 0)
+    rotary_args = (q if norm is None else norm, cos, sin)
+    rotary_strides = (cos.stride(0), sin.stride(0), float(eps))
+    rotary_flags = dict(PREP=prep is not None, QNORM=norm is not None)
     _, K, N, _ = k_cache.shape
     blocks = blocks[:, None] if blocks.dim() == 1 else blocks
     assert H % K == 0 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and blocks.stride(1) == 1
@@ -333,20 +388,21 @@ def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, win
     prompt_sum = torch.empty_like(prompt_max) if shared else row_sum
     if shared:
         launch(_prompt_kernel, (triton.cdiv(B, PROMPT_ROWS), K))(
-            q, k_cache, v_cache, blocks, groups, prompt, prompt_acc, prompt_max, prompt_sum, B, *strides_qkv,
-            prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0), scale_log2,
+            q, k_cache, v_cache, blocks, groups, prompt, prompt_acc, prompt_max, prompt_sum, *rotary_args, B,
+            *strides_qkv, *rotary_strides, prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0), scale_log2,
             GROUP=group, HEAD_DIM=d, ROWS=PROMPT_ROWS, BLOCK_Q=max(16, triton.next_power_of_2(PROMPT_ROWS * group)),
             BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, PAGED=paged,
-            TILE_IN_BLOCK=tile_in_block, num_warps=num_warps, num_stages=num_stages,
+            TILE_IN_BLOCK=tile_in_block, **rotary_flags, num_warps=num_warps, num_stages=num_stages,
         )
     launch(_split_kernel, (B, K, splits))(
         q, k_cache, v_cache, blocks, lengths, acc, row_max, row_sum, out, prompt, prompt_acc, prompt_max, prompt_sum,
-        *strides_qkv, acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0), row_max.stride(1),
+        *rotary_args, *strides_qkv, *rotary_strides, acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0),
+        row_max.stride(1),
         out.stride(0), out.stride(1), prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0),
         scale_log2, window or 0,
         GROUP=group, HEAD_DIM=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, SHARED=shared, PAGED=paged,
-        TILE_IN_BLOCK=tile_in_block, num_warps=num_warps, num_stages=num_stages,
+        TILE_IN_BLOCK=tile_in_block, **rotary_flags, num_warps=num_warps, num_stages=num_stages,
     )
     if splits == 1:
         return out
@@ -362,19 +418,22 @@ def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, win
 @torch.library.custom_op("shardflow::decode_attention", mutates_args=())
 def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                         lengths: torch.Tensor, window: int, groups: torch.Tensor | None,
-                        prompt: torch.Tensor | None) -> torch.Tensor:
+                        prompt: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+                        cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
     prompts = None if groups is None else (groups, prompt)
-    return decode_attention_triton(q, k_cache, v_cache, blocks, lengths, window or None, prompts)
+    prep = None if cos is None else QueryPrep(norm_weight, eps, cos, sin)
+    return decode_attention_triton(q, k_cache, v_cache, blocks, lengths, window or None, prompts, prep)
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, blocks, lengths, window, groups, prompt):
+def _(q, k_cache, v_cache, blocks, lengths, window, groups, prompt, norm_weight, eps, cos, sin):
     return q.new_empty(q.shape)  # contiguous, like the real output
 
 
-def _triton_via_op(q, k_cache, v_cache, blocks, lengths, window, prompts=None):
+def _triton_via_op(q, k_cache, v_cache, blocks, lengths, window, prompts=None, prep=None):
     groups, prompt = prompts if prompts is not None else (None, None)
-    return decode_attention_op(q, k_cache, v_cache, blocks, lengths, window or 0, groups, prompt)
+    norm, eps, cos, sin = prep if prep is not None else (None, 0.0, None, None)
+    return decode_attention_op(q, k_cache, v_cache, blocks, lengths, window or 0, groups, prompt, norm, eps, cos, sin)
 
 
 # name -> attention function (the ``attention`` engine option)

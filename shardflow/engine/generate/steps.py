@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from shardflow.engine.generate.kv_cache import KVCache, write_kv
 from shardflow.models.transformer import DecoderLayer, Transformer, causal_attention
 
-# attention(q [B,H,d], k_cache, v_cache, blocks [B] or [B,n], lengths [B], window, prompts) -> [B,H,d]
+# attention(q [B,H,d], k_cache, v_cache, blocks [B] or [B,n], lengths [B], window, prompts, prep) -> [B,H,d]
+# (``decode_attention``; q raw where ``prep`` is given)
 DecodeAttention = Callable[..., torch.Tensor]
 
 
@@ -88,17 +89,18 @@ def decode_layer(layer: DecoderLayer, x: torch.Tensor, pending: torch.Tensor, co
     ``at`` (blocks, offsets [B,1]), then it attends over its positions. The layer's input is
     ``x + pending`` [B,1,H]: the residual stream and the MLP output of the layer before, which this
     layer adds in the kernel of its input norm (the add alone would be a launch of its own per
-    layer). Returns the stream after attention and this layer's MLP output, for the next layer (or
-    the final norm) to add. A function of tensors and the layer's module only (no layer index), so
-    that one compiled version serves every layer: compilation traces one layer, not the whole stack."""
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q [B,H,1,d], k/v [B,K,1,d]
-        write_kv(k_cache, v_cache, *at, k, v)
-        return attention(q[:, :, 0], k_cache, v_cache, blocks, lengths, window, prompts)[:, :, None]
-
+    layer). The queries go to ``attention`` raw, with what norms and rotates them (``QueryPrep``):
+    the Triton attention does it as it loads them, instead of a kernel of their own. Returns the
+    stream after attention and this layer's MLP output, for the next layer (or the final norm) to
+    add. A function of tensors and the layer's module only (no layer index), so that one compiled
+    version serves every layer: compilation traces one layer, not the whole stack."""
+    attn = layer.self_attn
     x = x + pending
-    x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, attend)
+    q, k, v = attn.project(layer.input_layernorm(x), cos, sin, prepare_queries=False)  # [B,1,heads,d]
+    write_kv(k_cache, v_cache, *at, k.transpose(1, 2), v.transpose(1, 2))
+    out = attention(q[:, 0], k_cache, v_cache, blocks, lengths, window, prompts,
+                    attn.query_prep(cos[:, 0], sin[:, 0]))
+    x = x + attn.output(out[:, None])
     return x, layer.mlp(layer.post_attention_layernorm(x))
 
 
