@@ -17,24 +17,40 @@ import torch
 
 from background import WORKERS, Background
 from shardflow.engine.generate.decode_attention import decode_attention_torch
-from shardflow.models.transformer import QueryPrep
+from shardflow.models.transformer import HeadPrep
 
 pytest.importorskip("triton")
 
 
-def raw_queries(rows: int, H: int, K: int, d: int, dtype: torch.dtype, g: torch.Generator,
-                norm: bool) -> tuple[torch.Tensor, QueryPrep]:
-    """Raw queries as the decode step passes them (a view of a q/k/v product's rows) and what
-    prepares them: a norm weight (where ``norm``) and rotary tables of positions up to 300."""
-    q = torch.randn(rows, (H + 2 * K) * d, generator=g).to(dtype).view(rows, H + 2 * K, d)[:, :H]
+def raw_heads(rows: int, H: int, K: int, d: int, dtype: torch.dtype, g: torch.Generator,
+              norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HeadPrep]:
+    """Raw q, k, v as the decode step passes them (views of a q/k/v product's rows) and what
+    prepares them: norm weights (where ``norm``) and rotary tables of positions up to 300."""
+    q, k, v = torch.randn(rows, H + 2 * K, d, generator=g).to(dtype).split([H, K, K], 1)
     angles = torch.randint(0, 300, (rows, 1), generator=g) * torch.rand(d // 2, generator=g)
     angles = torch.cat([angles, angles], -1)
-    weight = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype) if norm else None
-    return q, QueryPrep(weight, 1e-6, angles.cos().to(dtype), angles.sin().to(dtype))
+    weights = [(1 + 0.1 * torch.randn(d, generator=g)).to(dtype) if norm else None for _ in range(2)]
+    return q, k, v, HeadPrep(*weights, 1e-6, angles.cos().to(dtype), angles.sin().to(dtype))
 
 
-def as_float(prep: QueryPrep) -> QueryPrep:
-    return QueryPrep(*(t.float() if isinstance(t, torch.Tensor) else t for t in prep))
+def check_new_kv(triton_fn, q, k, v, prep, kc, vc, blocks, lengths, *args, atol: float, msg: str, **options) -> None:
+    """Attention given the step's raw key and value (written into the cache at each row's last
+    position, whatever it held) against the torch path on caches of its own: the outputs, and the
+    caches after, equal."""
+    from shardflow.engine.generate.decode_attention import last_position
+
+    blk, at = last_position(blocks, lengths, kc.shape[2])
+    for c in (kc, vc):
+        c[blk[:, 0], :, at[:, 0]] = 7.0  # stale values: the kernel must not read them
+    kt, vt = kc.float().clone(), vc.float().clone()
+    want = decode_attention_torch(q.float(), kt, vt, blocks, lengths, *args, HeadPrep(
+        *(t.float() if isinstance(t, torch.Tensor) else t for t in prep)), (k.float(), v.float()))
+    got = triton_fn(q, kc, vc, blocks, lengths, *args, prep, (k, v), **options).float()
+    torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=msg)
+    # bf16: the written key is rounded (by the norm's steps too), the float32 reference's is not
+    rtol = 0 if kc.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(kc.float(), kt, atol=atol, rtol=rtol, msg=f"{msg}: keys written")
+    torch.testing.assert_close(vc.float(), vt, atol=0, rtol=0, msg=f"{msg}: values written")
 
 
 def check_kernel() -> None:
@@ -65,14 +81,16 @@ def check_kernel() -> None:
             atol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got, want, atol=atol, rtol=0,
                                        msg=f"{H} {K} {d} {dtype} {window} {rows} splits {splits}")
-        for norm in (True, False):  # raw queries, normed (or not) and rotated in the kernel
-            raw, prep = raw_queries(rows, H, K, d, dtype, g, norm)
-            want = decode_attention_torch(raw, kc, vc, slots, lengths, window, None, prep).float()
-            for splits in (1, 3):
-                got = decode_attention_triton(raw, kc, vc, slots, lengths, window, None, prep, splits=splits).float()
-                atol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: q rounded in other places
-                torch.testing.assert_close(got, want, atol=atol, rtol=0,
-                                           msg=f"prepared {norm} {H} {K} {d} {dtype} {window} {rows} {splits}")
+        for norm in (True, False):  # raw q, k, v; normed (or not) and rotated in the kernel, k and v written
+            q, k, v, prep = raw_heads(rows, H, K, d, dtype, g, norm)
+            atol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: q and k rounded in other places
+            want = decode_attention_torch(q, kc, vc, slots, lengths, window, None, prep).float()
+            got = decode_attention_triton(q, kc, vc, slots, lengths, window, None, prep, splits=3).float()
+            torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"raw q {norm} {H} {K} {d} {dtype} {window}")
+            for splits in (1, 3, 7):
+                check_new_kv(decode_attention_triton, q, k, v, prep, kc.clone(), vc.clone(), slots, lengths, window,
+                             None, atol=atol, splits=splits,
+                             msg=f"raw q/k/v {norm} {H} {K} {d} {dtype} {window} {rows} {splits}")
 
 
 def check_shared_prompts() -> None:
@@ -106,11 +124,10 @@ def check_shared_prompts() -> None:
     for splits in (1, 3):
         got = decode_attention_triton(q, kc, vc, slots, lengths, None, (groups, prompt), splits=splits)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"shared prompts, splits {splits}")
-    raw, prep = raw_queries(rows, H, K, d, torch.float32, g, norm=True)  # the prompt kernel prepares them too
-    want = decode_attention_torch(raw, kc, vc, slots, lengths, None, None, prep)
+    q, k, v, prep = raw_heads(rows, H, K, d, torch.float32, g, norm=True)  # the prompt kernel prepares q too
     for splits in (1, 3):
-        got = decode_attention_triton(raw, kc, vc, slots, lengths, None, (groups, prompt), prep, splits=splits)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"shared prompts, raw queries, splits {splits}")
+        check_new_kv(decode_attention_triton, q, k, v, prep, kc.clone(), vc.clone(), slots, lengths,
+                     None, (groups, prompt), atol=1e-5, splits=splits, msg=f"shared prompts, raw q/k/v, {splits}")
 
 
 def paged_copy(kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, block: int, g: torch.Generator,
@@ -165,6 +182,10 @@ def check_paged() -> None:
             got = decode_attention_triton(q, kp, vp, rows, lengths, window, splits=splits).float()
             atol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"paged {H} {K} {d} {dtype} {window} {block}")
+            raw_q, k, v, prep = raw_heads(8, H, K, d, dtype, g, norm=True)  # the step's k and v written into blocks
+            check_new_kv(decode_attention_triton, raw_q, k, v, prep, kp.clone(), vp.clone(), rows, lengths, window,
+                         None, atol=1e-5 if dtype == torch.float32 else 3e-2, splits=splits,
+                         msg=f"paged raw q/k/v {H} {K} {d} {dtype} {window} {block} {splits}")
     # a prompt of 40 positions shared by rows 0-2 (two whole blocks of 16), of 5 by rows 3-4 (none)
     H, K, d, block = 4, 2, 16, 16
     groups, prompt = torch.tensor([0, 0, 0, 1, 1, -1]), torch.tensor([40, 40, 40, 5, 5, 0])
@@ -306,7 +327,8 @@ def test_kernels_compile_for_hopper(monkeypatch):
     from shardflow.engine.generate import decode_attention as da
 
     pointers = {"Q": "bf16", "K": "bf16", "V": "bf16", "Out": "bf16", "Blocks": "i64", "Lengths": "i64",
-                "Groups": "i64", "Prompt": "i64", "QNorm": "bf16", "Cos": "bf16", "Sin": "bf16"}
+                "Groups": "i64", "Prompt": "i64", "QNorm": "bf16", "Cos": "bf16", "Sin": "bf16", "KNew": "bf16",
+                "VNew": "bf16", "KNorm": "bf16"}
 
     def compile_for_hopper(fn, constants: dict) -> None:
         types = {n: "constexpr" if n in constants else f"*{pointers.get(n, 'fp32')}" if n[0].isupper()
@@ -325,7 +347,7 @@ def test_kernels_compile_for_hopper(monkeypatch):
         for paged in (False, True):
             for splits, shared in ((1, False), (3, False), (1, True), (3, True)):
                 variants.append((da._split_kernel, dict(knobs, **prep, GROUP=group, SPLITS=splits, BLOCK_H=16,
-                                                        SHARED=shared, PAGED=paged)))
+                                                        SHARED=shared, PAGED=paged, NEW_KV=prep["PREP"])))
             variants.append((da._prompt_kernel, dict(knobs, **prep, GROUP=group, ROWS=da.PROMPT_ROWS,
                                                      BLOCK_Q=max(16, da.PROMPT_ROWS * group), PAGED=paged)))
     with ThreadPoolExecutor(WORKERS) as pool:  # Triton's passes and ptxas run outside the GIL

@@ -94,21 +94,23 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotate_half(x) * sin
 
 
-class QueryPrep(NamedTuple):
-    """A raw query projection [B,h,d] into the query attention takes: RMSNorm per head by
-    ``norm_weight`` (None: the model norms no queries) with ``eps``, then rotary by the rows'
-    tables cos, sin [B,d] (``prepare_query``)."""
-    norm_weight: torch.Tensor | None
+class HeadPrep(NamedTuple):
+    """Raw query and key projections [B,heads,d] of one token per row into those attention takes:
+    RMSNorm per head by ``q_norm`` and ``k_norm`` (None: the model norms none) with ``eps``, then
+    rotary by the rows' tables cos, sin [B,d] (``prepare_heads``)."""
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
     eps: float
     cos: torch.Tensor
     sin: torch.Tensor
 
 
-def prepare_query(q: torch.Tensor, prep: QueryPrep) -> torch.Tensor:
-    """q [B,h,d] raw -> normed (where the model norms queries) and rotated, as ``Attention.project``."""
-    if prep.norm_weight is not None:
-        q = rms_norm(q, prep.norm_weight, prep.eps)
-    return rotary(q, prep.cos[:, None], prep.sin[:, None])
+def prepare_heads(x: torch.Tensor, norm_weight: torch.Tensor | None, prep: HeadPrep) -> torch.Tensor:
+    """x [B,heads,d] raw -> normed by ``norm_weight`` (prep's q_norm or k_norm; None: not normed)
+    and rotated, as ``Attention.project`` does."""
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, prep.eps)
+    return rotary(x, prep.cos[:, None], prep.sin[:, None])
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -155,10 +157,10 @@ class Attention(nn.Module):
         self.decode_qkv: Product | None = None  # q/k/v in one product, for no-grad forwards
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                prepare_queries: bool = True) -> tuple[torch.Tensor, ...]:
+                raw: bool = False) -> tuple[torch.Tensor, ...]:
         """x [B,T,H] -> q [B,T,h,d], k and v [B,T,k,d], q and k normed (where the model does) and rotated.
-        Without ``prepare_queries`` q is the projection as it comes (a view of the product), for an
-        attention that norms and rotates its queries itself (``query_prep``)."""
+        ``raw``: q, k and v as they come (views of the product), for an attention that norms and
+        rotates them itself (``head_prep``)."""
         B, T, _ = x.shape
         x = copy_to_tp(x, self.group)
         if self.decode_qkv is not None and not torch.is_grad_enabled():
@@ -170,17 +172,19 @@ class Attention(nn.Module):
         q = q.reshape(B, T, self.num_heads, self.head_dim)
         k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
         v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
+        if raw:
+            return q, k, v
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B,T,1,d]
-        if prepare_queries:
-            q = rotary(q if self.q_norm is None else self.q_norm(q), cos, sin)
-        k = rotary(k if self.k_norm is None else self.k_norm(k), cos, sin)
-        return q, k, v
+        return rotary(q, cos, sin), rotary(k, cos, sin), v
 
-    def query_prep(self, cos: torch.Tensor, sin: torch.Tensor) -> QueryPrep:
-        """What turns this layer's raw queries (``project(..., prepare_queries=False)``) at rows with
-        rotary tables cos, sin [B,d] into the queries attention takes."""
-        norm = self.q_norm
-        return QueryPrep(None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, cos, sin)
+    def head_prep(self, cos: torch.Tensor, sin: torch.Tensor) -> HeadPrep:
+        """What turns this layer's raw queries and keys (``project(..., raw=True)``) of rows with
+        rotary tables cos, sin [B,d] into those attention takes."""
+        if self.q_norm is None:
+            return HeadPrep(None, None, 0.0, cos, sin)
+        return HeadPrep(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """[B,T,h,d] attention output -> [B,T,H]."""
