@@ -219,7 +219,8 @@ def check_paged() -> None:
 
 
 def check_engine(path: str) -> None:
-    """Greedy and sampled generation with the Triton kernel equal the torch path's."""
+    """Greedy and sampled generation with the Triton kernel equal the torch path's, eager and with
+    the decode layer compiled (the kernel then writes the caches from inside the compiled graph)."""
     from gen_helpers import local_model, prompts
 
     from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
@@ -227,15 +228,18 @@ def check_engine(path: str) -> None:
 
     model = local_model(path)
     outputs = {}
-    for attention in ("torch", "triton"):
-        engine = GenerationEngine(model, EngineConfig(max_seq_len=48, attention=attention), eos_token_ids=())
+    for attention, compiled in (("torch", False), ("triton", False), ("triton", True)):
+        engine = GenerationEngine(model, EngineConfig(max_seq_len=48, attention=attention, compile=compiled),
+                                  eos_token_ids=())
         requests = make_requests(prompts()[2:], [SamplingParams(max_new_tokens=3, temperature=t, seed=1)
                                                  for t in (0.0, 1.0)])
         engine.generate(requests)
-        outputs[attention] = requests
-    for a, b in zip(outputs["torch"], outputs["triton"]):
-        assert a.output_ids == b.output_ids
-        torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-5, rtol=0)
+        outputs[attention, compiled] = requests
+    for a, b, c in zip(outputs["torch", False], outputs["triton", False], outputs["triton", True]):
+        assert a.output_ids == b.output_ids == c.output_ids
+        for other in (b, c):
+            torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(other.output_logprobs),
+                                       atol=1e-5, rtol=0)
 
 
 def check_engine_sharing_prompts(path: str) -> None:
