@@ -81,16 +81,17 @@ def check_kernel() -> None:
             atol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got, want, atol=atol, rtol=0,
                                        msg=f"{H} {K} {d} {dtype} {window} {rows} splits {splits}")
-        for norm in (True, False):  # raw q, k, v; normed (or not) and rotated in the kernel, k and v written
-            q, k, v, prep = raw_heads(rows, H, K, d, dtype, g, norm)
-            atol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: q and k rounded in other places
-            want = decode_attention_torch(q, kc, vc, slots, lengths, window, None, prep).float()
-            got = decode_attention_triton(q, kc, vc, slots, lengths, window, None, prep, splits=3).float()
-            torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"raw q {norm} {H} {K} {d} {dtype} {window}")
-            for splits in (1, 3, 7):
-                check_new_kv(decode_attention_triton, q, k, v, prep, kc.clone(), vc.clone(), slots, lengths, window,
-                             None, atol=atol, splits=splits,
-                             msg=f"raw q/k/v {norm} {H} {K} {d} {dtype} {window} {rows} {splits}")
+        # raw q, k, v; normed (or not: the last case) and rotated in the kernel, k and v written
+        norm = (H, K, d, dtype, window, rows) != cases[-1]
+        q, k, v, prep = raw_heads(rows, H, K, d, dtype, g, norm)
+        atol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: q and k rounded in other places
+        want = decode_attention_torch(q, kc, vc, slots, lengths, window, None, prep).float()
+        got = decode_attention_triton(q, kc, vc, slots, lengths, window, None, prep, splits=3).float()
+        torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"raw q {norm} {H} {K} {d} {dtype} {window}")
+        for splits in (1, 7):
+            check_new_kv(decode_attention_triton, q, k, v, prep, kc.clone(), vc.clone(), slots, lengths, window,
+                         None, atol=atol, splits=splits,
+                         msg=f"raw q/k/v {norm} {H} {K} {d} {dtype} {window} {rows} {splits}")
 
 
 def check_shared_prompts() -> None:
@@ -182,10 +183,10 @@ def check_paged() -> None:
             got = decode_attention_triton(q, kp, vp, rows, lengths, window, splits=splits).float()
             atol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"paged {H} {K} {d} {dtype} {window} {block}")
-            raw_q, k, v, prep = raw_heads(8, H, K, d, dtype, g, norm=True)  # the step's k and v written into blocks
-            check_new_kv(decode_attention_triton, raw_q, k, v, prep, kp.clone(), vp.clone(), rows, lengths, window,
-                         None, atol=1e-5 if dtype == torch.float32 else 3e-2, splits=splits,
-                         msg=f"paged raw q/k/v {H} {K} {d} {dtype} {window} {block} {splits}")
+        raw_q, k, v, prep = raw_heads(8, H, K, d, dtype, g, norm=True)  # the step's k and v written into blocks
+        check_new_kv(decode_attention_triton, raw_q, k, v, prep, kp.clone(), vp.clone(), rows, lengths, window,
+                     None, atol=1e-5 if dtype == torch.float32 else 3e-2, splits=3,
+                     msg=f"paged raw q/k/v {H} {K} {d} {dtype} {window} {block}")
     # a prompt of 40 positions shared by rows 0-2 (two whole blocks of 16), of 5 by rows 3-4 (none)
     H, K, d, block = 4, 2, 16, 16
     groups, prompt = torch.tensor([0, 0, 0, 1, 1, -1]), torch.tensor([40, 40, 40, 5, 5, 0])
