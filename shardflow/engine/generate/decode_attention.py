@@ -68,6 +68,7 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``new_kv``: raw k, v [B,K,d] of position lengths - 1, k prepared (``prep`` needed), both written
     into the cache first.
     """
+    _check_new_kv(prep, new_kv)
     if prep is not None:
         q = prepare_heads(q, prep.q_norm, prep)
     if new_kv is not None:
@@ -85,6 +86,11 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     gqa = True if q.shape[1] != k.shape[1] else False  # a bool, not a SymBool, under torch.compile
     out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid[:, None, None, :], enable_gqa=gqa)
     return out[:, :, 0]
+
+
+def _check_new_kv(prep: HeadPrep | None, new_kv: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    if new_kv is not None and prep is None:
+        raise ValueError("decode attention's new_kv needs prep: the step's key is rotated before it is written")
 
 
 def last_position(blocks: torch.Tensor, lengths: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -407,13 +413,13 @@ def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, win
     q = _rows_of_heads(q)
     B, H, d = q.shape
     _, K, N, _ = k_cache.shape
-    if new_kv is not None and prep is None:
-        raise ValueError("decode attention's new_kv needs prep: the key is rotated before it is written")
+    _check_new_kv(prep, new_kv)
     if prep is not None:
         cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (prep.cos, prep.sin))
         assert cos.shape == sin.shape == (B, d) and d % 2 == 0
         q_norm, k_norm, eps = prep.q_norm, prep.k_norm, prep.eps
-        rotary = dict(args=(q if q_norm is None else q_norm, cos, sin), strides=(cos.stride(0), sin.stride(0), float(eps)))
+        rotary = dict(args=(q if q_norm is None else q_norm, cos, sin),
+                      strides=(cos.stride(0), sin.stride(0), float(eps)))
     else:  # unread
         q_norm = k_norm = None
         rotary = dict(args=(q, q, q), strides=(0, 0, 0.0))
