@@ -42,32 +42,32 @@ if triton is not None:
     def _stats_kernel(X, Targets, Out, stride_x, V, vocab_start, scale, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
-        # Per lane: running max (from a finite start, so exp(m_old - m_new) is never nan), sum of
-        # exp(x - max), sum of exp(x - max) * (x - max).
-        m = tl.full([BLOCK], -1e30, tl.float32)
+        # In base-2 units (y = x * log2 e): a running row maximum m, one for the whole block (so
+        # that each logit costs one exponential: a maximum per lane would rescale every lane
+        # each step, a second exponential per logit), and per lane the sums of 2^(y - m) and of
+        # 2^(y - m) * (y - m). m starts finite, so 2^(m_old - m_new) is never nan.
+        LOG2E: tl.constexpr = 1.4426950408889634
+        LN2: tl.constexpr = 0.6931471805599453
+        m = tl.full([], -1e30, tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
         u = tl.zeros([BLOCK], tl.float32)
         base = X + row * stride_x
         for v0 in range(0, V, BLOCK):
             cols = v0 + offs
-            x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * scale
-            m_new = tl.maximum(m, x)
-            alpha = tl.exp(m - m_new)
-            e = tl.exp(x - m_new)  # 0 on -inf columns
-            d = tl.where(e > 0, x - m_new, 0.0)
-            u = (u + (m - m_new) * s) * alpha + e * d
+            y = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * (scale * LOG2E)
+            m_new = tl.maximum(m, tl.max(y, 0))
+            alpha = tl.exp2(m - m_new)
+            d = y - m_new
+            e = tl.exp2(d)  # 0 on -inf columns
+            u = (u + (m - m_new) * s) * alpha + e * tl.where(e > 0, d, 0.0)
             s = s * alpha + e
             m = m_new
-        row_max = tl.max(m, 0)
-        alpha = tl.exp(m - row_max)
-        s_row = tl.sum(s * alpha, 0)
-        u_row = tl.sum((u + (m - row_max) * s) * alpha, 0)
         local = tl.load(Targets + row) - vocab_start
         inside = (local >= 0) & (local < V)
         t = tl.load(base + tl.where(inside, local, 0)).to(tl.float32) * scale
-        tl.store(Out + row * 4 + 0, row_max)
-        tl.store(Out + row * 4 + 1, s_row)
-        tl.store(Out + row * 4 + 2, u_row)
+        tl.store(Out + row * 4 + 0, tl.where(m > -1e30, m * LN2, -1e30))  # all padding: the torch path's floor
+        tl.store(Out + row * 4 + 1, tl.sum(s, 0))
+        tl.store(Out + row * 4 + 2, tl.sum(u, 0) * LN2)
         tl.store(Out + row * 4 + 3, tl.where(inside, t, 0.0))
 
     @triton.jit
