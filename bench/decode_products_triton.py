@@ -9,7 +9,8 @@ product, y = x @ w.T with w stored [out, in] as the engine stores it, over a lis
 (rows, columns, depth per step, pipeline stages, warps) and K splits (partial sums added in float32,
 then cast: the extra kernels are in the time), each in calls captured in one CUDA graph over enough
 weight copies that L2 holds none; the largest difference from cuBLAS's result is reported beside
-each. An experiment: the engine does not use these kernels.
+each. With ``--quack``, quack's CuTe DSL product (quack-kernels, where installed) in its default
+tiles and its autotuned ones runs beside them. An experiment: the engine does not use these kernels.
 """
 
 from __future__ import annotations
@@ -78,16 +79,24 @@ def triton_product(x: torch.Tensor, w: torch.Tensor, config: tuple) -> torch.Ten
     return y if split == 1 else y.to(x.dtype)
 
 
-def sweep(device, dtype, shapes: dict, batches, configs, matrix_flops: float | None) -> list[dict]:
+def quack_product(tuned: bool):
+    from quack.gemm_interface import gemm  # optional: only where quack-kernels is installed
+
+    return lambda x, w: gemm(x, w.T, tuned=tuned)
+
+
+def sweep(device, dtype, shapes: dict, batches, configs, matrix_flops: float | None,
+          libraries: dict | None = None) -> list[dict]:
     rows = []
     for (name, (n, kdim)), batch in itertools.product(shapes.items(), batches):
         copies = max(1, -(-256 * 2**20 // (n * kdim * 2))) if device.type == "cuda" else 1
         ws = [torch.randn(n, kdim, dtype=dtype, device=device) / kdim**0.5 for _ in range(copies)]
         x = torch.randn(batch, kdim, dtype=dtype, device=device)
         reference = F.linear(x, ws[0]).float()
-        variants = [("cublas", None)] + [("triton", c) for c in configs]
+        variants = [("cublas", None)] + [("triton", c) for c in configs] + [(name, None) for name in libraries or {}]
         for library, config in variants:
-            product = (lambda w: F.linear(x, w)) if config is None else (
+            product = (lambda w: F.linear(x, w)) if library == "cublas" else (
+                lambda w, f=libraries[library]: f(x, w)) if config is None else (
                 lambda w, c=config: triton_product(x, w, c))
             try:
                 error = (product(ws[0]).float() - reference).abs().max().item()
@@ -111,6 +120,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tiny", action="store_true", help="small shapes and two tiles (a CPU check)")
     parser.add_argument("--batches", default="128,256,512")
+    parser.add_argument("--quack", action="store_true", help="also quack's product, default and autotuned tiles")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -120,7 +130,8 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     result["matrix_tflops"] = measure_rates(device)[1] / 1e12 if device.type == "cuda" else None
     flops = result["matrix_tflops"] * 1e12 if result["matrix_tflops"] else None
-    result["rows"] = sweep(device, dtype, shapes, batches, configs, flops)
+    libraries = {"quack": quack_product(False), "quack-tuned": quack_product(True)} if args.quack else None
+    result["rows"] = sweep(device, dtype, shapes, batches, configs, flops, libraries)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_products_triton.json").write_text(json.dumps(result, indent=2))
@@ -131,7 +142,8 @@ def main() -> None:
         rate = lambda r: f" ({100 * r['of_matrix_rate']:.0f}%)" if "of_matrix_rate" in r else ""  # noqa: E731
         print(f"{weight:>14} M={batch:<4} cuBLAS {base['us']:7.1f} us{rate(base)}  best Triton {best['us']:7.1f} us"
               f"{rate(best)} {best['config']} (max diff {best['max_abs_diff']:.1e}); "
-              f"failed tiles: {sum(1 for r in result['rows'] if 'error' in r and (r['weight'], r['batch']) == (weight, batch))}")
+              f"failed tiles: {sum(1 for r in result['rows'] if 'error' in r and (r['weight'], r['batch']) == (weight, batch))}"
+              + "".join(f"  {r['library']} {r['us']:7.1f} us{rate(r)}" for r in ok if r["library"].startswith("quack")))
 
 
 if __name__ == "__main__":
