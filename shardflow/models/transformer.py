@@ -23,11 +23,11 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from shardflow.config.model import ModelConfig, RopeConfig
-from shardflow.models import compile_settings
+from shardflow.models import compile_settings, fused_mlp
 from shardflow.models.packed_attention import PackedSequences, packed_attention
 from shardflow.models.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
 from shardflow.models.token_stats import head_logprobs_and_entropy
-from shardflow.parallel.comm import copy_to_tp
+from shardflow.parallel.comm import copy_to_tp, reduce_from_tp
 from shardflow.parallel.sharding import RankShard
 
 logger = logging.getLogger(__name__)
@@ -205,11 +205,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(H, inter, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(inter, H, cfg.mlp_bias, group)
         self.decode_gate_up: Product | None = None  # gate/up in one product, for no-grad forwards
+        self.fused: fused_mlp.SwiGLU | None = None  # SwiGLU inside the products (``Transformer.set_mlp_kernel``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.group)
         if self.decode_gate_up is not None and not torch.is_grad_enabled():
             gate, up = self.decode_gate_up(x).chunk(2, dim=-1)
+        elif self.fused is not None:  # chosen only where the MLP has no bias
+            y = self.fused(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+            return reduce_from_tp(y, self.group)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -364,6 +368,17 @@ class Transformer(nn.Module):
         packed forwards (training, inference); generation passes its own ``attend`` (and compiles its
         decode layer itself, ``engine.generate.steps``)."""
         return self._compiled if attend is None and self._compiled is not None else EAGER_LAYERS
+
+    def set_mlp_kernel(self, kernel: str) -> None:
+        """The MLP kernel of this model's layers (``models.fused_mlp``: torch, quack or auto); set
+        before ``compile_layers``, whose graphs take the choice in."""
+        if not self.model.layers:
+            return
+        p = next(self.parameters())
+        fused = fused_mlp.choose(kernel, p.device, p.dtype, self.cfg.hidden_size, self.shard.intermediate_size,
+                                 self.cfg.mlp_bias)
+        for layer in self.model.layers.values():
+            layer.mlp.fused = fused
 
     def compile_layers(self) -> bool:
         """Run padded and packed forwards (and their backwards) of every decoder layer through
