@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from iteration import SHAPES, measure_rates  # noqa: E402
+from train_attention import timed  # noqa: E402
 
 from shardflow.models.fused_mlp import swiglu_quack  # noqa: E402
 
@@ -48,23 +48,6 @@ def quack_tuned(x, w_gate, w_up, w_down):
     from quack.mlp import mlp_func  # optional: only where quack-kernels is installed
 
     return mlp_func(x, torch.cat((w_gate, w_up)), w_down, activation="swiglu", tuned=True, concat_layout=True)
-
-
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median ms of ``fn`` over ``repeats`` calls after two warm-up calls (0 off the GPU)."""
-    for _ in range(2):
-        fn()
-    if device.type != "cuda":
-        return 0.0
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -143,8 +126,8 @@ def main() -> None:
                 row = dict(case=name, error=f"{type(error).__name__}: {error}"[:500])
             rows.append(dict(shape=shape, tokens=tokens, hidden=hidden, intermediate=inter, **row))
 
-    print(f"| shape, tokens | case | forward ms | forward + backward ms (x its products' floor) | "
-          f"first call s (another size) | largest relative error |")
+    print("| shape, tokens | case | forward ms | forward + backward ms (x its products' floor) | "
+          "first call s (another size) | largest relative error |")
     print("|---|---|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
