@@ -8,10 +8,10 @@ One micro-batch of each GRPO workload's training call (Qwen3-0.6B at 32768 token
 
 - ``compiled``: what training runs today, gate and up as two products, SwiGLU between them and
   the down product, through ``torch.compile`` (inductor's elementwise kernels, cuBLAS products);
-- ``quack``: ``models.fused_mlp.swiglu_quack``, what ``mlp_kernel=quack`` runs (quack's
-  ``mlp_func``: gate/up as one product whose epilogue applies SwiGLU, backward's down product
-  whose epilogue applies its derivative; gate and up concatenated per call), eager and through
-  ``torch.compile`` (as the compiled layers call it), and with quack's autotuned tiles.
+- ``quack``: quack's ``mlp_func`` (the quack-kernels package: gate/up as one product whose
+  epilogue applies SwiGLU, backward's down product whose epilogue applies its derivative; gate
+  and up concatenated per call), eager and through ``torch.compile``, and with its autotuned tiles.
+  An experiment: training does not use it.
 
 Each against its products' FLOPs at the matrix rate measured in the same run (6 N H I forward,
 twice that backward), and its output and gradients against float32. Prints a table and writes
@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from iteration import SHAPES, measure_rates  # noqa: E402
 from train_attention import timed  # noqa: E402
 
-from shardflow.models.fused_mlp import swiglu_quack  # noqa: E402
 
 CASES = {"qwen3-0.6b": 32768, "qwen3-1.7b": 16384}  # the training call's micro-batch tokens
 
@@ -44,10 +43,13 @@ def swiglu_mlp(x, w_gate, w_up, w_down):
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
 
 
-def quack_tuned(x, w_gate, w_up, w_down):
-    from quack.mlp import mlp_func  # optional: only where quack-kernels is installed
+def quack_mlp(tuned: bool):
+    def run(x, w_gate, w_up, w_down):
+        from quack.mlp import mlp_func  # optional: only where quack-kernels is installed
 
-    return mlp_func(x, torch.cat((w_gate, w_up)), w_down, activation="swiglu", tuned=True, concat_layout=True)
+        # concat_layout: the first product's weight is [gate; up], not interleaved rows
+        return mlp_func(x, torch.cat((w_gate, w_up)), w_down, activation="swiglu", tuned=tuned, concat_layout=True)
+    return run
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -113,9 +115,9 @@ def main() -> None:
         for name, tokens in CASES.items()}
     candidates = {"compiled": torch.compile(swiglu_mlp)}
     if device.type == "cuda" and not args.tiny:
-        candidates.update({"quack": swiglu_quack, "quack, compiled": torch.compile(swiglu_quack)})
+        candidates.update({"quack": quack_mlp(False), "quack, compiled": torch.compile(quack_mlp(False))})
         if not args.skip_tuned:
-            candidates["quack-tuned"] = quack_tuned
+            candidates["quack-tuned"] = quack_mlp(True)
 
     rows = []
     for shape, (tokens, hidden, inter) in shapes.items():

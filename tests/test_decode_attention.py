@@ -17,40 +17,8 @@ import torch
 
 from background import WORKERS, Background
 from shardflow.engine.generate.decode_attention import decode_attention_torch
-from shardflow.models.transformer import HeadPrep
 
 pytest.importorskip("triton")
-
-
-def raw_heads(rows: int, H: int, K: int, d: int, dtype: torch.dtype, g: torch.Generator,
-              norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HeadPrep]:
-    """Raw q, k, v as the decode step passes them (views of a q/k/v product's rows) and what
-    prepares them: norm weights (where ``norm``) and rotary tables of positions up to 300."""
-    q, k, v = torch.randn(rows, H + 2 * K, d, generator=g).to(dtype).split([H, K, K], 1)
-    angles = torch.randint(0, 300, (rows, 1), generator=g) * torch.rand(d // 2, generator=g)
-    angles = torch.cat([angles, angles], -1)
-    weights = [(1 + 0.1 * torch.randn(d, generator=g)).to(dtype) if norm else None for _ in range(2)]
-    return q, k, v, HeadPrep(*weights, 1e-6, angles.cos().to(dtype), angles.sin().to(dtype))
-
-
-def check_new_kv(triton_fn, q, k, v, prep, kc, vc, blocks, lengths, *args, atol: float, msg: str, **options) -> None:
-    """Attention given the step's raw key and value (written into the cache at each row's last
-    position, whatever it held) against the torch path on caches of its own: the outputs, and the
-    caches after, equal."""
-    from shardflow.engine.generate.decode_attention import last_position
-
-    blk, at = last_position(blocks, lengths, kc.shape[2])
-    for c in (kc, vc):
-        c[blk[:, 0], :, at[:, 0]] = 7.0  # stale values: the kernel must not read them
-    kt, vt = kc.float().clone(), vc.float().clone()
-    want = decode_attention_torch(q.float(), kt, vt, blocks, lengths, *args, HeadPrep(
-        *(t.float() if isinstance(t, torch.Tensor) else t for t in prep)), (k.float(), v.float()))
-    got = triton_fn(q, kc, vc, blocks, lengths, *args, prep, (k, v), **options).float()
-    torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=msg)
-    # bf16: the written key is rounded (by the norm's steps too), the float32 reference's is not
-    rtol = 0 if kc.dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(kc.float(), kt, atol=atol, rtol=rtol, msg=f"{msg}: keys written")
-    torch.testing.assert_close(vc.float(), vt, atol=0, rtol=0, msg=f"{msg}: values written")
 
 
 def check_kernel() -> None:
@@ -81,17 +49,6 @@ def check_kernel() -> None:
             atol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got, want, atol=atol, rtol=0,
                                        msg=f"{H} {K} {d} {dtype} {window} {rows} splits {splits}")
-        # raw q, k, v; normed (or not: the last case) and rotated in the kernel, k and v written
-        norm = (H, K, d, dtype, window, rows) != cases[-1]
-        q, k, v, prep = raw_heads(rows, H, K, d, dtype, g, norm)
-        atol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: q and k rounded in other places
-        want = decode_attention_torch(q, kc, vc, slots, lengths, window, None, prep).float()
-        got = decode_attention_triton(q, kc, vc, slots, lengths, window, None, prep, splits=3).float()
-        torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"raw q {norm} {H} {K} {d} {dtype} {window}")
-        for splits in (1, 7):
-            check_new_kv(decode_attention_triton, q, k, v, prep, kc.clone(), vc.clone(), slots, lengths, window,
-                         None, atol=atol, splits=splits,
-                         msg=f"raw q/k/v {norm} {H} {K} {d} {dtype} {window} {rows} {splits}")
 
 
 def check_shared_prompts() -> None:
@@ -125,10 +82,6 @@ def check_shared_prompts() -> None:
     for splits in (1, 3):
         got = decode_attention_triton(q, kc, vc, slots, lengths, None, (groups, prompt), splits=splits)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"shared prompts, splits {splits}")
-    q, k, v, prep = raw_heads(rows, H, K, d, torch.float32, g, norm=True)  # the prompt kernel prepares q too
-    for splits in (1, 3):
-        check_new_kv(decode_attention_triton, q, k, v, prep, kc.clone(), vc.clone(), slots, lengths,
-                     None, (groups, prompt), atol=1e-5, splits=splits, msg=f"shared prompts, raw q/k/v, {splits}")
 
 
 def paged_copy(kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, block: int, g: torch.Generator,
@@ -183,10 +136,6 @@ def check_paged() -> None:
             got = decode_attention_triton(q, kp, vp, rows, lengths, window, splits=splits).float()
             atol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"paged {H} {K} {d} {dtype} {window} {block}")
-        raw_q, k, v, prep = raw_heads(8, H, K, d, dtype, g, norm=True)  # the step's k and v written into blocks
-        check_new_kv(decode_attention_triton, raw_q, k, v, prep, kp.clone(), vp.clone(), rows, lengths, window,
-                     None, atol=1e-5 if dtype == torch.float32 else 3e-2, splits=3,
-                     msg=f"paged raw q/k/v {H} {K} {d} {dtype} {window} {block}")
     # a prompt of 40 positions shared by rows 0-2 (two whole blocks of 16), of 5 by rows 3-4 (none)
     H, K, d, block = 4, 2, 16, 16
     groups, prompt = torch.tensor([0, 0, 0, 1, 1, -1]), torch.tensor([40, 40, 40, 5, 5, 0])
@@ -220,8 +169,7 @@ def check_paged() -> None:
 
 
 def check_engine(path: str) -> None:
-    """Greedy and sampled generation with the Triton kernel equal the torch path's, eager and with
-    the decode layer compiled (the kernel then writes the caches from inside the compiled graph)."""
+    """Greedy and sampled generation with the Triton kernel equal the torch path's."""
     from gen_helpers import local_model, prompts
 
     from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
@@ -229,18 +177,15 @@ def check_engine(path: str) -> None:
 
     model = local_model(path)
     outputs = {}
-    for attention, compiled in (("torch", False), ("triton", False), ("triton", True)):
-        engine = GenerationEngine(model, EngineConfig(max_seq_len=48, attention=attention, compile=compiled),
-                                  eos_token_ids=())
+    for attention in ("torch", "triton"):
+        engine = GenerationEngine(model, EngineConfig(max_seq_len=48, attention=attention), eos_token_ids=())
         requests = make_requests(prompts()[2:], [SamplingParams(max_new_tokens=3, temperature=t, seed=1)
                                                  for t in (0.0, 1.0)])
         engine.generate(requests)
-        outputs[attention, compiled] = requests
-    for a, b, c in zip(outputs["torch", False], outputs["triton", False], outputs["triton", True]):
-        assert a.output_ids == b.output_ids == c.output_ids
-        for other in (b, c):
-            torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(other.output_logprobs),
-                                       atol=1e-5, rtol=0)
+        outputs[attention] = requests
+    for a, b in zip(outputs["torch"], outputs["triton"]):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-5, rtol=0)
 
 
 def check_engine_sharing_prompts(path: str) -> None:
@@ -332,12 +277,11 @@ def test_kernels_compile_for_hopper(monkeypatch):
     from shardflow.engine.generate import decode_attention as da
 
     pointers = {"Q": "bf16", "K": "bf16", "V": "bf16", "Out": "bf16", "Blocks": "i64", "Lengths": "i64",
-                "Groups": "i64", "Prompt": "i64", "QNorm": "bf16", "Cos": "bf16", "Sin": "bf16", "KNew": "bf16",
-                "VNew": "bf16", "KNorm": "bf16"}
+                "Groups": "i64", "Prompt": "i64"}
 
     def compile_for_hopper(fn, constants: dict) -> None:
         types = {n: "constexpr" if n in constants else f"*{pointers.get(n, 'fp32')}" if n[0].isupper()
-                 else "fp32" if n in ("scale_log2", "eps") else "i32" for n in fn.arg_names}
+                 else "fp32" if n == "scale_log2" else "i32" for n in fn.arg_names}
         source = ASTSource(fn=fn, signature=types,
                            constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
         triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": da.NUM_WARPS,
@@ -345,15 +289,12 @@ def test_kernels_compile_for_hopper(monkeypatch):
 
     knobs = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK=da.BLOCK_N, PRECISION="tf32", UPCAST=False)
     variants = []
-    # Qwen3-1.7B's (queries normed) and LLaMA-3.1-8B's query heads per KV head; the raw queries as
-    # the decode step passes them, and prepared ones (the benchmarks')
-    for group, prep in ((2, dict(PREP=True, QNORM=True)), (4, dict(PREP=True, QNORM=False)),
-                        (2, dict(PREP=False, QNORM=False))):
+    for group in (2, 4):  # Qwen3-1.7B's and LLaMA-3.1-8B's query heads per KV head
         for paged in (False, True):
             for splits, shared in ((1, False), (3, False), (1, True), (3, True)):
-                variants.append((da._split_kernel, dict(knobs, **prep, GROUP=group, SPLITS=splits, BLOCK_H=16,
-                                                        SHARED=shared, PAGED=paged, NEW_KV=prep["PREP"])))
-            variants.append((da._prompt_kernel, dict(knobs, **prep, GROUP=group, ROWS=da.PROMPT_ROWS,
+                variants.append((da._split_kernel, dict(knobs, GROUP=group, SPLITS=splits, BLOCK_H=16,
+                                                        SHARED=shared, PAGED=paged)))
+            variants.append((da._prompt_kernel, dict(knobs, GROUP=group, ROWS=da.PROMPT_ROWS,
                                                      BLOCK_Q=max(16, da.PROMPT_ROWS * group), PAGED=paged)))
     with ThreadPoolExecutor(WORKERS) as pool:  # Triton's passes and ptxas run outside the GIL
         list(pool.map(lambda variant: compile_for_hopper(*variant), variants))

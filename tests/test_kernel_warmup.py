@@ -41,13 +41,11 @@ def test_warmed_decode_kernels_are_the_variants_the_first_step_launches(checkpoi
     cache, B = engine.cache, config.max_batch_size
     slots = torch.arange(B)
     positions = torch.full((B,), 5)
-    h, _, cos, sin, blocks, lengths = decode_start(model, cache, torch.ones(B, dtype=torch.long), positions, slots)
+    h, _, _, _, blocks, _, lengths = decode_start(model, cache, torch.ones(B, dtype=torch.long), positions, slots)
     groups, prompt = torch.arange(B) // 3, torch.full((B,), 3)  # the engine's int rows
     layer = model.shard.layers[0]
-    attn = model.model.layers[str(layer)].self_attn
-    q, k, v = (t[:, 0] for t in attn.project(h, cos, sin, raw=True))  # raw, as the decode layer passes them
-    da.decode_attention_triton(q, cache.k[layer], cache.v[layer], blocks, lengths, None, (groups, prompt),
-                               attn.head_prep(cos[:, 0], sin[:, 0]), (k, v))
+    q = torch.empty(B, model.shard.num_heads, model.cfg.head_dim)
+    da.decode_attention_triton(q, cache.k[layer], cache.v[layer], blocks, lengths, None, (groups, prompt))
     logits = model.logits(h[:, 0])
     sk.candidates_triton(logits, torch.ones(B), torch.zeros(B, dtype=torch.long), positions + 1,
                          model.shard.vocab_start, mode == SAMPLE)

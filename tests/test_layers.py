@@ -36,7 +36,7 @@ LAYERS: list[list[str]] = [
 # never load them.
 LAZY_THIRD_PARTY = ("matplotlib", "pyarrow", "torch.utils.tensorboard", "math_verify", "torch.nn.attention.varlen",
                     "datasets", "huggingface_hub", "wandb", "mlflow", "torch._dynamo", "torch._inductor",
-                    "torch._functorch", "flash_attn.cute", "quack.mlp")
+                    "torch._functorch", "flash_attn.cute")
 
 
 def package_of(module: str, layers: list[list[str]]) -> str | None:

@@ -52,11 +52,6 @@ class ModelSpec(Settings):
     offload_optimizer: bool = setting(False, "keep a trained model's fp32 master weights and AdamW moments in "
                                              "(pinned) host memory, streamed through the device at each update")
     compile: bool = setting(True, "torch.compile the decoder layers for training and inference on GPUs")
-    mlp_kernel: str = setting("torch", "the MLP's products: torch (three products, SwiGLU between them), quack "
-                                       "(SwiGLU inside the products, forward and backward: the quack-kernels "
-                                       "package, which flash-attn-4 brings, on Hopper or Blackwell), auto (quack "
-                                       "where it is installed and runs)",
-                              choices=("auto", "torch", "quack"))
     offload: bool = setting(False, "keep a frozen model's weights in CPU memory between its calls")
     optim: OptimConfig = section(OptimConfig, "optimizer (trained models)")
 

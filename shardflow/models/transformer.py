@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Callable, Mapping, NamedTuple
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -23,11 +23,11 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from shardflow.config.model import ModelConfig, RopeConfig
-from shardflow.models import compile_settings, fused_mlp
+from shardflow.models import compile_settings
 from shardflow.models.packed_attention import PackedSequences, packed_attention
 from shardflow.models.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
 from shardflow.models.token_stats import head_logprobs_and_entropy
-from shardflow.parallel.comm import copy_to_tp, reduce_from_tp
+from shardflow.parallel.comm import copy_to_tp
 from shardflow.parallel.sharding import RankShard
 
 logger = logging.getLogger(__name__)
@@ -73,44 +73,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, in float32, scaled by ``weight`` in x's dtype."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
-
-
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of x [..., d] by tables cos, sin broadcast against it."""
-    return x * cos + rotate_half(x) * sin
-
-
-class HeadPrep(NamedTuple):
-    """Raw query and key projections [B,heads,d] of one token per row into those attention takes:
-    RMSNorm per head by ``q_norm`` and ``k_norm`` (None: the model norms none) with ``eps``, then
-    rotary by the rows' tables cos, sin [B,d] (``prepare_heads``)."""
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    eps: float
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-
-def prepare_heads(x: torch.Tensor, norm_weight: torch.Tensor | None, prep: HeadPrep) -> torch.Tensor:
-    """x [B,heads,d] raw -> normed by ``norm_weight`` (prep's q_norm or k_norm; None: not normed)
-    and rotated, as ``Attention.project`` does."""
-    if norm_weight is not None:
-        x = rms_norm(x, norm_weight, prep.eps)
-    return rotary(x, prep.cos[:, None], prep.sin[:, None])
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -156,11 +127,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.decode_qkv: Product | None = None  # q/k/v in one product, for no-grad forwards
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                raw: bool = False) -> tuple[torch.Tensor, ...]:
-        """x [B,T,H] -> q [B,T,h,d], k and v [B,T,k,d], q and k normed (where the model does) and rotated.
-        ``raw``: q, k and v as they come (views of the product), for an attention that norms and
-        rotates them itself (``head_prep``)."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B,T,H] -> q [B,T,h,d], k and v [B,T,k,d], q and k normed (where the model does) and rotated."""
         B, T, _ = x.shape
         x = copy_to_tp(x, self.group)
         if self.decode_qkv is not None and not torch.is_grad_enabled():
@@ -172,19 +140,12 @@ class Attention(nn.Module):
         q = q.reshape(B, T, self.num_heads, self.head_dim)
         k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
         v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
-        if raw:
-            return q, k, v
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B,T,1,d]
-        return rotary(q, cos, sin), rotary(k, cos, sin), v
-
-    def head_prep(self, cos: torch.Tensor, sin: torch.Tensor) -> HeadPrep:
-        """What turns this layer's raw queries and keys (``project(..., raw=True)``) of rows with
-        rotary tables cos, sin [B,d] into those attention takes."""
-        if self.q_norm is None:
-            return HeadPrep(None, None, 0.0, cos, sin)
-        return HeadPrep(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """[B,T,h,d] attention output -> [B,T,H]."""
@@ -205,15 +166,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(H, inter, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(inter, H, cfg.mlp_bias, group)
         self.decode_gate_up: Product | None = None  # gate/up in one product, for no-grad forwards
-        self.fused: fused_mlp.SwiGLU | None = None  # SwiGLU inside the products (``Transformer.set_mlp_kernel``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.group)
         if self.decode_gate_up is not None and not torch.is_grad_enabled():
             gate, up = self.decode_gate_up(x).chunk(2, dim=-1)
-        elif self.fused is not None:  # chosen only where the MLP has no bias
-            y = self.fused(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-            return reduce_from_tp(y, self.group)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -368,17 +325,6 @@ class Transformer(nn.Module):
         packed forwards (training, inference); generation passes its own ``attend`` (and compiles its
         decode layer itself, ``engine.generate.steps``)."""
         return self._compiled if attend is None and self._compiled is not None else EAGER_LAYERS
-
-    def set_mlp_kernel(self, kernel: str) -> None:
-        """The MLP kernel of this model's layers (``models.fused_mlp``: torch, quack or auto); set
-        before ``compile_layers``, whose graphs take the choice in."""
-        if not self.model.layers:
-            return
-        p = next(self.parameters())
-        fused = fused_mlp.choose(kernel, p.device, p.dtype, self.cfg.hidden_size, self.shard.intermediate_size,
-                                 self.cfg.mlp_bias)
-        for layer in self.model.layers.values():
-            layer.mlp.fused = fused
 
     def compile_layers(self) -> bool:
         """Run padded and packed forwards (and their backwards) of every decoder layer through

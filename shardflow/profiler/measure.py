@@ -188,8 +188,9 @@ def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, d
             cos, sin = model.rope(positions[:, None], dtype)
             x, pending = torch.randn(2, batch, 1, H, device=device, dtype=dtype)  # [B,1,H] each
             with torch.no_grad():
+                at = slots[:, None], positions[:, None]
                 fn = lambda: decode(layer, x, pending, cos, sin, k_cache, v_cache, decode_attention,  # noqa: E731
-                                    slots, positions + 1, None)
+                                    at, slots, positions + 1, None)
                 if cuda_graphs and device.type == "cuda":
                     fn = graphed(fn)
                 row.append(timed(fn, device, grid.reps))

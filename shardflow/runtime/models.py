@@ -99,7 +99,6 @@ class ModelSlot:
         return copy
 
     def _maybe_compile(self, model: Transformer) -> None:
-        model.set_mlp_kernel(self.spec.mlp_kernel)  # before compiling: the graphs take it in
         # tp = 1 only: tracing the layers' tp collectives is not worth the risk of ranks diverging.
         if self.spec.compile and self.world.device.type == "cuda" and model.shard.tp_size == 1:
             model.compile_layers()

@@ -22,7 +22,6 @@ from shardflow.config.files import read_json
 from shardflow.config.model import ModelConfig
 from shardflow.data.prompts import Prompt, load_prompts
 from shardflow.data.sources import Source, check_source, source_of
-from shardflow.models import fused_mlp
 from shardflow.models.packed_attention import check_kernel
 from shardflow.plan.execution_plan import ExecutionPlan, symmetric_plan
 from shardflow.plan.memory import rank_params
@@ -107,8 +106,6 @@ def check_config(config: ExperimentConfig) -> Checked:
     if bool(config.data.path) == bool(config.data.dataset):
         raise ValueError("data.path or data.dataset is required (one of them, not both)")
     check_kernel(algo.packed_attention)
-    for role in need:
-        fused_mlp.check_kernel(config.models[role].mlp_kernel, f"models.{role}.mlp_kernel")
     check_rollout(config, algorithm)
     check_eval(config, algorithm.online)
     return Checked(config, algorithm, graph)

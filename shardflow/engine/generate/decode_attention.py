@@ -17,13 +17,6 @@ where a block is a slot). Two implementations with the same contract:
   all their query heads over the prompt from one row's copy, and the split kernel continues from
   it over each row's own positions. Tested on CPU with ``TRITON_INTERPRET=1``.
 
-Both take the query as it is (``q``) or, with ``prep`` (``models.transformer.HeadPrep``), as the
-projection comes out of the product: the kernels then norm and rotate it as they load it. With
-``new_kv`` they also take the step's own key and value raw, prepare the key the same way, write both
-into the cache at the row's last position and attend over them from registers. In the decode step
-this spares the two small kernels per layer that did it apart (their launches, their reads and
-writes of q, k and v).
-
 Shapes: B requests, H local query heads, K local KV heads, S cache blocks of N positions, n blocks
 per row, d head dim.
 """
@@ -36,8 +29,6 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from shardflow.engine.generate.kv_cache import write_kv
-from shardflow.models.transformer import HeadPrep, prepare_heads
 from shardflow.models.triton_warmup import warmup
 from shardflow.perf.sharing import PROMPT_ROWS
 
@@ -58,22 +49,13 @@ MAX_SPLITS = 32
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                            lengths: torch.Tensor, window: int | None,
-                           prompts: tuple[torch.Tensor, torch.Tensor] | None = None, prep: HeadPrep | None = None,
-                           new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           prompts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [B,H,d]; caches [S,K,N,d]; blocks [B, n] (or [B]), lengths [B] -> [B,H,d].
 
     Row b attends to positions [max(0, lengths[b] - window), lengths[b]) of its blocks.
     ``prompts`` (see ``decode_attention_triton``) changes which copy of a shared prompt is read,
-    not the result; this path reads every row's own. ``prep``: q is raw, prepared first;
-    ``new_kv``: raw k, v [B,K,d] of position lengths - 1, k prepared (``prep`` needed), both written
-    into the cache first.
+    not the result; this path reads every row's own.
     """
-    _check_new_kv(prep, new_kv)
-    if prep is not None:
-        q = prepare_heads(q, prep.q_norm, prep)
-    if new_kv is not None:
-        write_kv(k_cache, v_cache, *last_position(blocks, lengths, k_cache.shape[2]),
-                 prepare_heads(new_kv[0], prep.k_norm, prep)[:, :, None], new_kv[1][:, :, None])
     blocks = blocks[:, None] if blocks.dim() == 1 else blocks
     B, n = blocks.shape
     _, K, N, d = k_cache.shape
@@ -88,20 +70,6 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out[:, :, 0]
 
 
-def _check_new_kv(prep: HeadPrep | None, new_kv: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    if new_kv is not None and prep is None:
-        raise ValueError("decode attention's new_kv needs prep: the step's key is rotated before it is written")
-
-
-def last_position(blocks: torch.Tensor, lengths: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(blocks, offsets) [B,1] of each row's last position, lengths - 1, through its blocks [B, n]
-    (or its one block [B])."""
-    last = lengths - 1
-    if blocks.dim() == 1:
-        return blocks[:, None], last[:, None]
-    return blocks.gather(1, (last // block_size)[:, None]), (last % block_size)[:, None]
-
-
 def num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM,
                block: int = BLOCK_N) -> int:
     """Splits of each request's positions: as many as fit ``programs_per_sm`` programs per SM in
@@ -113,36 +81,6 @@ def num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, pr
 
 
 if triton is not None:
-
-    @triton.jit
-    def load_heads(Q, rows, heads, mask, stride_qb, stride_qh, QNorm, Cos, Sin, stride_cb, stride_sb, eps,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PREP: tl.constexpr, QNORM: tl.constexpr):
-        """The query (or key) heads [len(rows), BLOCK_D] ``heads`` at ``rows`` (``mask``: the real
-        ones), in Q's dtype. PREP: Q holds the raw projection, normed here per head where QNORM
-        (weight QNorm, ``eps``) and rotated by the rows' tables Cos, Sin [B, d], as
-        ``models.transformer.prepare_heads`` does: the norm in float32 rounded to Q's dtype, then its
-        weight, then the rotation."""
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < HEAD_DIM
-        both = mask[:, None] & mask_d[None, :]
-        at = Q + rows[:, None].to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-        q = tl.load(at + offs_d[None, :], mask=both, other=0.0)
-        if PREP:
-            half = HEAD_DIM // 2  # rotate_half: the first half takes minus the second, the second the first
-            partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
-            x = q.to(tl.float32)
-            y = tl.load(at + partner[None, :], mask=both, other=0.0).to(tl.float32)
-            if QNORM:
-                r = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-                w = tl.load(QNorm + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-                w_y = tl.load(QNorm + partner, mask=mask_d, other=0.0).to(tl.float32)
-                x = ((x * r).to(q.dtype).to(tl.float32) * w[None, :]).to(q.dtype).to(tl.float32)
-                y = ((y * r).to(q.dtype).to(tl.float32) * w_y[None, :]).to(q.dtype).to(tl.float32)
-            cos = tl.load(Cos + rows[:, None].to(tl.int64) * stride_cb + offs_d[None, :], mask=both, other=0.0)
-            sin = tl.load(Sin + rows[:, None].to(tl.int64) * stride_sb + offs_d[None, :], mask=both, other=0.0)
-            y = tl.where(offs_d[None, :] < half, -y, y)
-            q = (x * cos.to(tl.float32) + y * sin.to(tl.float32)).to(q.dtype)
-        return q
 
     @triton.jit
     def attend_positions(q, k_head, v_head, block_row, stride_ks, stride_kt, stride_vs, stride_vt, block_size,
@@ -204,12 +142,12 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
-    def _prompt_kernel(Q, K, V, Blocks, Groups, Prompt, Acc, Max, Sum, QNorm, Cos, Sin, batch,
+    def _prompt_kernel(Q, K, V, Blocks, Groups, Prompt, Acc, Max, Sum, batch,
                        stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
-                       stride_bb, block_size, stride_cb, stride_cs, eps, stride_sb, stride_sh, stride_mb, scale_log2,
+                       stride_bb, block_size, stride_sb, stride_sh, stride_mb, scale_log2,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_Q: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                       PAGED: tl.constexpr, TILE_IN_BLOCK: tl.constexpr, PREP: tl.constexpr, QNORM: tl.constexpr):
+                       PAGED: tl.constexpr, TILE_IN_BLOCK: tl.constexpr):
         """Program (window of ROWS rows, KV head): for each row b of the window that leads a run of
         rows of one group (see ``decode_attention_triton``), the online-softmax state of the run's
         rows x GROUP query heads over the group's shared prompt positions, read once from b's blocks.
@@ -230,8 +168,8 @@ if triton is not None:
                 rows = b + offs_q // GROUP
                 in_run = (offs_q < ROWS * GROUP) & (rows < batch)
                 in_run = in_run & (tl.load(Groups + rows, mask=in_run, other=-1) == group)
-                q = load_heads(Q, rows, heads, in_run, stride_qb, stride_qh, QNorm, Cos, Sin, stride_cb, stride_cs,
-                               eps, HEAD_DIM, BLOCK_D, PREP, QNORM)  # [BLOCK_Q, BLOCK_D]
+                q = tl.load(Q + rows[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                            mask=in_run[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_Q, BLOCK_D]
                 if UPCAST:
                     q = q.to(tl.float32)
                 m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
@@ -248,15 +186,13 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(Q, K, V, Blocks, Lengths, Acc, Max, Sum, Out, Prompt, PromptAcc, PromptMax, PromptSum,
-                      QNorm, Cos, Sin, KNew, VNew, KNorm,
                       stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
-                      stride_bb, block_size, stride_cb, stride_cs, eps, stride_knb, stride_knh, stride_vnb,
-                      stride_vnh, stride_ab, stride_ah, stride_as, stride_mb,
-                      stride_mh, stride_ob, stride_oh, stride_sb, stride_sh, stride_pmb, scale_log2, window,
+                      stride_bb, block_size, stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob,
+                      stride_oh, stride_sb, stride_sh, stride_pmb, scale_log2, window,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
                       PRECISION: tl.constexpr, UPCAST: tl.constexpr, SHARED: tl.constexpr, PAGED: tl.constexpr,
-                      TILE_IN_BLOCK: tl.constexpr, PREP: tl.constexpr, QNORM: tl.constexpr, NEW_KV: tl.constexpr):
+                      TILE_IN_BLOCK: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -276,8 +212,8 @@ if triton is not None:
         mask_h = offs_h < GROUP
         mask_d = offs_d < HEAD_DIM
         heads = kvh * GROUP + offs_h
-        q = load_heads(Q, b + offs_h * 0, heads, mask_h, stride_qb, stride_qh, QNorm, Cos, Sin, stride_cb, stride_cs,
-                       eps, HEAD_DIM, BLOCK_D, PREP, QNORM)  # [BLOCK_H, BLOCK_D]
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
         if UPCAST:
             q = q.to(tl.float32)
         if SHARED:  # the first split starts from the prompt's state (empty for rows without one)
@@ -291,36 +227,9 @@ if triton is not None:
             l_i = tl.zeros([BLOCK_H], tl.float32)
             acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         block_row = Blocks + b.to(tl.int64) * stride_bb
-        owns = (lo < length) & (hi == length)  # the split holding the row's last position
-        if NEW_KV:  # which is not in the cache yet: this program writes it, and reads it from registers
-            hi = tl.where(owns, hi - 1, hi)
         m_i, l_i, acc = attend_positions(q, K + kvh * stride_kh, V + kvh * stride_vh, block_row, stride_ks, stride_kt,
                                          stride_vs, stride_vt, block_size, lo, hi, m_i, l_i, acc, scale_log2, HEAD_DIM,
                                          BLOCK_D, BLOCK, PRECISION, UPCAST, PAGED, TILE_IN_BLOCK)
-        if NEW_KV:
-            if owns:
-                # the key on the first of BLOCK_H rows (the others zeros), prepared as the queries
-                k = load_heads(KNew, b + offs_h * 0, kvh + offs_h * 0, offs_h == 0, stride_knb, stride_knh, KNorm, Cos,
-                               Sin, stride_cb, stride_cs, eps, HEAD_DIM, BLOCK_D, True, QNORM)
-                k = tl.sum(k.to(tl.float32), 0).to(K.dtype.element_ty)  # [BLOCK_D]
-                v = tl.load(VNew + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d, other=0.0)
-                last = length - 1
-                if PAGED:
-                    slot = tl.load(block_row + last // block_size).to(tl.int64)
-                    at = last % block_size
-                else:
-                    slot = tl.load(block_row).to(tl.int64)
-                    at = last
-                tl.store(K + slot * stride_ks + kvh * stride_kh + at * stride_kt + offs_d, k, mask=mask_d)
-                tl.store(V + slot * stride_vs + kvh * stride_vh + at * stride_vt + offs_d, v, mask=mask_d)
-                # one more position of the online softmax, in float32
-                s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * scale_log2  # [BLOCK_H]
-                m_new = tl.maximum(m_i, s)
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new)
-                l_i = l_i * alpha + p
-                acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
-                m_i = m_new
 
         if SPLITS == 1:  # nothing to merge: the output itself
             o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -354,8 +263,7 @@ if triton is not None:
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                             lengths: torch.Tensor, window: int | None,
-                            prompts: tuple[torch.Tensor, torch.Tensor] | None = None, prep: HeadPrep | None = None,
-                            new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, *, block: int = BLOCK_N,
+                            prompts: tuple[torch.Tensor, torch.Tensor] | None = None, *, block: int = BLOCK_N,
                             programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
                             num_stages: int = NUM_STAGES, splits: int | None = None) -> torch.Tensor:
     """Same contract as ``decode_attention_torch``; GPU (or ``TRITON_INTERPRET=1`` on CPU).
@@ -370,65 +278,36 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if triton is None:
         raise RuntimeError("the Triton decode attention needs the triton package")
     return _run(lambda kernel, grid: kernel[grid], q.device, q, k_cache, v_cache, blocks, lengths, window, prompts,
-                prep, new_kv, block=block, programs_per_sm=programs_per_sm, num_warps=num_warps,
-                num_stages=num_stages, splits=splits)
+                block=block, programs_per_sm=programs_per_sm, num_warps=num_warps, num_stages=num_stages,
+                splits=splits)
 
 
 def warm_kernels(device: torch.device, dtype: torch.dtype, *, batch: int, heads: int, kv_heads: int, head_dim: int,
-                 block_size: int, blocks_per_row: int, windows: Sequence[int | None], shared: bool,
-                 qk_norm: bool) -> None:
+                 block_size: int, blocks_per_row: int, windows: Sequence[int | None], shared: bool) -> None:
     """Compile, without launching, the kernels that a decode step of ``batch`` rows launches on
     ``device`` over a cache of blocks of ``block_size`` positions, ``blocks_per_row`` a row (1: a
     contiguous cache, whose block is the row's slot), for each layer's ``window`` and, where
-    ``shared``, with prompt-KV sharing; q, k and v raw (views of the q/k/v product, normed where
-    ``qk_norm``), as the decode step passes them: ``_run`` computes the launches' arguments as for a
-    step, from tensors on the meta device, which have the step's dtypes, shapes and strides (what
-    Triton specialises on) and no memory."""
+    ``shared``, with prompt-KV sharing: ``_run`` computes the launches' arguments as for a step,
+    from tensors on the meta device, which have the step's dtypes, shapes and strides (what Triton
+    specialises on) and no memory."""
     meta = torch.device("meta")
-    qkv = torch.empty(batch, heads + 2 * kv_heads, head_dim, dtype=dtype, device=meta)
-    q, k, v = qkv.split([heads, kv_heads, kv_heads], 1)
-    table = torch.empty(batch, head_dim, dtype=dtype, device=meta)
-    norm = torch.empty(head_dim, dtype=dtype, device=meta) if qk_norm else None
-    prep = HeadPrep(norm, norm, 1e-6, table, table)
+    q = torch.empty(batch, heads, head_dim, dtype=dtype, device=meta)
     cache = torch.empty(1, kv_heads, block_size, head_dim, dtype=dtype, device=meta)
     blocks = torch.empty(batch, *([blocks_per_row] if blocks_per_row > 1 else []), dtype=torch.int64, device=meta)
     lengths = torch.empty(batch, dtype=torch.int64, device=meta)
 
     for window in dict.fromkeys(windows):
-        _run(warmup, device, q, cache, cache, blocks, lengths, window, (lengths, lengths) if shared else None, prep,
-             (k, v))
+        _run(warmup, device, q, cache, cache, blocks, lengths, window, (lengths, lengths) if shared else None)
 
 
-def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, d] with each head's values together (rows and heads at any stride: views of the
-    q/k/v product pass as they are)."""
-    return x if x.stride(2) == 1 else x.contiguous()
-
-
-def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, window, prompts, prep, new_kv, *,
-         block: int = BLOCK_N, programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
-         num_stages: int = NUM_STAGES, splits: int | None = None) -> torch.Tensor:
+def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, window, prompts, *, block: int = BLOCK_N,
+         programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+         splits: int | None = None) -> torch.Tensor:
     """The kernels' launches: ``launch(kernel, grid)`` -> a callable taking the kernel's
     arguments (``kernel[grid]``, or a warm-up); ``device`` is the one they run on."""
-    q = _rows_of_heads(q)
+    q = q.contiguous()  # a no-op for the model's q; a compiled graph may lay it out otherwise
     B, H, d = q.shape
     _, K, N, _ = k_cache.shape
-    _check_new_kv(prep, new_kv)
-    if prep is not None:
-        cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (prep.cos, prep.sin))
-        assert cos.shape == sin.shape == (B, d) and d % 2 == 0
-        q_norm, k_norm, eps = prep.q_norm, prep.k_norm, prep.eps
-        rotary = dict(args=(q if q_norm is None else q_norm, cos, sin),
-                      strides=(cos.stride(0), sin.stride(0), float(eps)))
-    else:  # unread
-        q_norm = k_norm = None
-        rotary = dict(args=(q, q, q), strides=(0, 0, 0.0))
-    if new_kv is not None:
-        k_new, v_new = (_rows_of_heads(t) for t in new_kv)
-        assert k_new.shape == v_new.shape == (B, K, d)
-    else:  # unread
-        k_new = v_new = q
-    flags = dict(PREP=prep is not None, QNORM=q_norm is not None)
     blocks = blocks[:, None] if blocks.dim() == 1 else blocks
     assert H % K == 0 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and blocks.stride(1) == 1
     group, paged = H // K, blocks.shape[1] > 1
@@ -454,22 +333,20 @@ def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, win
     prompt_sum = torch.empty_like(prompt_max) if shared else row_sum
     if shared:
         launch(_prompt_kernel, (triton.cdiv(B, PROMPT_ROWS), K))(
-            q, k_cache, v_cache, blocks, groups, prompt, prompt_acc, prompt_max, prompt_sum, *rotary["args"], B,
-            *strides_qkv, *rotary["strides"], prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0),
-            scale_log2, GROUP=group, HEAD_DIM=d, ROWS=PROMPT_ROWS,
-            BLOCK_Q=max(16, triton.next_power_of_2(PROMPT_ROWS * group)), BLOCK_D=block_d, BLOCK=block,
-            PRECISION=precision, UPCAST=upcast, PAGED=paged, TILE_IN_BLOCK=tile_in_block, **flags,
-            num_warps=num_warps, num_stages=num_stages,
+            q, k_cache, v_cache, blocks, groups, prompt, prompt_acc, prompt_max, prompt_sum, B, *strides_qkv,
+            prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0), scale_log2,
+            GROUP=group, HEAD_DIM=d, ROWS=PROMPT_ROWS, BLOCK_Q=max(16, triton.next_power_of_2(PROMPT_ROWS * group)),
+            BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, PAGED=paged,
+            TILE_IN_BLOCK=tile_in_block, num_warps=num_warps, num_stages=num_stages,
         )
     launch(_split_kernel, (B, K, splits))(
         q, k_cache, v_cache, blocks, lengths, acc, row_max, row_sum, out, prompt, prompt_acc, prompt_max, prompt_sum,
-        *rotary["args"], k_new, v_new, q if k_norm is None else k_norm, *strides_qkv, *rotary["strides"],
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), acc.stride(0), acc.stride(1),
-        acc.stride(2), row_max.stride(0), row_max.stride(1), out.stride(0), out.stride(1), prompt_acc.stride(0),
-        prompt_acc.stride(1), prompt_max.stride(0), scale_log2, window or 0,
+        *strides_qkv, acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0), row_max.stride(1),
+        out.stride(0), out.stride(1), prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0),
+        scale_log2, window or 0,
         GROUP=group, HEAD_DIM=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, SHARED=shared, PAGED=paged,
-        TILE_IN_BLOCK=tile_in_block, **flags, NEW_KV=new_kv is not None, num_warps=num_warps, num_stages=num_stages,
+        TILE_IN_BLOCK=tile_in_block, num_warps=num_warps, num_stages=num_stages,
     )
     if splits == 1:
         return out
@@ -481,31 +358,23 @@ def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, win
     return out
 
 
-# A registered operator, so that torch.compile treats the kernels as one opaque call. It writes
-# the step's key and value into the caches where it is given them (``new_kv``).
-@torch.library.custom_op("shardflow::decode_attention", mutates_args=("k_cache", "v_cache"))
+# A registered operator, so that torch.compile treats the kernels as one opaque call.
+@torch.library.custom_op("shardflow::decode_attention", mutates_args=())
 def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                         lengths: torch.Tensor, window: int, groups: torch.Tensor | None,
-                        prompt: torch.Tensor | None, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-                        eps: float, cos: torch.Tensor | None, sin: torch.Tensor | None, k_new: torch.Tensor | None,
-                        v_new: torch.Tensor | None) -> torch.Tensor:
+                        prompt: torch.Tensor | None) -> torch.Tensor:
     prompts = None if groups is None else (groups, prompt)
-    prep = None if cos is None else HeadPrep(q_norm, k_norm, eps, cos, sin)
-    new_kv = None if k_new is None else (k_new, v_new)
-    return decode_attention_triton(q, k_cache, v_cache, blocks, lengths, window or None, prompts, prep, new_kv)
+    return decode_attention_triton(q, k_cache, v_cache, blocks, lengths, window or None, prompts)
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, blocks, lengths, window, groups, prompt, q_norm, k_norm, eps, cos, sin, k_new, v_new):
+def _(q, k_cache, v_cache, blocks, lengths, window, groups, prompt):
     return q.new_empty(q.shape)  # contiguous, like the real output
 
 
-def _triton_via_op(q, k_cache, v_cache, blocks, lengths, window, prompts=None, prep=None, new_kv=None):
+def _triton_via_op(q, k_cache, v_cache, blocks, lengths, window, prompts=None):
     groups, prompt = prompts if prompts is not None else (None, None)
-    q_norm, k_norm, eps, cos, sin = prep if prep is not None else (None, None, 0.0, None, None)
-    k_new, v_new = new_kv if new_kv is not None else (None, None)
-    return decode_attention_op(q, k_cache, v_cache, blocks, lengths, window or 0, groups, prompt, q_norm, k_norm, eps,
-                               cos, sin, k_new, v_new)
+    return decode_attention_op(q, k_cache, v_cache, blocks, lengths, window or 0, groups, prompt)
 
 
 # name -> attention function (the ``attention`` engine option)

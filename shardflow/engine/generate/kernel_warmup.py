@@ -47,8 +47,7 @@ def compile_kernels(device: torch.device, dtype: torch.dtype, cfg: ModelConfig, 
     decode_attention.warm_kernels(
         device, dtype, batch=config.max_batch_size, heads=shard.num_heads, kv_heads=shard.num_kv_heads,
         head_dim=cfg.head_dim, block_size=positions, blocks_per_row=blocks_per_row,
-        windows=[cfg.sliding_windows[i] for i in shard.layers], shared=shared_prompts and config.share_prompt_kv,
-        qk_norm=cfg.qk_norm)
+        windows=[cfg.sliding_windows[i] for i in shard.layers], shared=shared_prompts and config.share_prompt_kv)
     if shard.last_stage and mode != FILTER:  # the filtered mode samples in torch
         sampling_kernel.warm_kernels(device, dtype, batch=config.max_batch_size, vocab=shard.vocab_size,
                                      vocab_start=shard.vocab_start, sample=mode == SAMPLE)

@@ -25,8 +25,7 @@ import torch.nn.functional as F
 from shardflow.engine.generate.kv_cache import KVCache, write_kv
 from shardflow.models.transformer import DecoderLayer, Transformer, causal_attention
 
-# attention(q [B,H,d], k_cache, v_cache, blocks [B] or [B,n], lengths [B], window, prompts, prep, new_kv)
-# -> [B,H,d] (``decode_attention``)
+# attention(q [B,H,d], k_cache, v_cache, blocks [B] or [B,n], lengths [B], window, prompts) -> [B,H,d]
 DecodeAttention = Callable[..., torch.Tensor]
 
 
@@ -81,25 +80,25 @@ def extend_cache(model: Transformer, cache: KVCache, ids: torch.Tensor, starts: 
 
 
 def decode_layer(layer: DecoderLayer, x: torch.Tensor, pending: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, attention: DecodeAttention, blocks: torch.Tensor,
-                 lengths: torch.Tensor, window: int | None, prompts: tuple[torch.Tensor, torch.Tensor] | None = None
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, attention: DecodeAttention,
+                 at: tuple[torch.Tensor, torch.Tensor], blocks: torch.Tensor, lengths: torch.Tensor,
+                 window: int | None, prompts: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoder layer of a decode step: the new token's key and value go into the cache at its
-    row's last position (``lengths`` - 1, through ``blocks``), then it attends over its positions.
-    The layer's input is ``x + pending`` [B,1,H]: the residual stream and the MLP output of the
-    layer before, which this layer adds in the kernel of its input norm (the add alone would be a
-    launch of its own per layer). q, k and v go to ``attention`` raw, with what norms and rotates
-    them (``HeadPrep``): the Triton attention does that, and the cache write, as it loads them,
-    instead of in kernels of their own. Returns the stream after attention and this layer's MLP
-    output, for the next layer (or the final norm) to add. A function of tensors and the layer's
-    module only (no layer index), so that one compiled version serves every layer: compilation
-    traces one layer, not the whole stack."""
-    attn = layer.self_attn
+    """One decoder layer of a decode step: the new token's key and value go into the cache at
+    ``at`` (blocks, offsets [B,1]), then it attends over its positions. The layer's input is
+    ``x + pending`` [B,1,H]: the residual stream and the MLP output of the layer before, which this
+    layer adds in the kernel of its input norm (the add alone would be a launch of its own per
+    layer). Returns the stream after attention and this layer's MLP output, for the next layer (or
+    the final norm) to add. A function of tensors and the layer's module only (no layer index), so
+    that one compiled version serves every layer: compilation traces one layer, not the whole stack."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [B,H,1,d], k/v [B,K,1,d]
+        write_kv(k_cache, v_cache, *at, k, v)
+        return attention(q[:, :, 0], k_cache, v_cache, blocks, lengths, window, prompts)[:, :, None]
+
     x = x + pending
-    q, k, v = attn.project(layer.input_layernorm(x), cos, sin, raw=True)  # [B,1,heads,d]
-    out = attention(q[:, 0], k_cache, v_cache, blocks, lengths, window, prompts, attn.head_prep(cos[:, 0], sin[:, 0]),
-                    (k[:, 0], v[:, 0]))
-    x = x + attn.output(out[:, None])
+    x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, attend)
     return x, layer.mlp(layer.post_attention_layernorm(x))
 
 
@@ -107,13 +106,15 @@ def decode_start(model: Transformer, cache: KVCache, tokens: torch.Tensor, posit
                  slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A decode step before its layers: tokens, positions, slots [B] -> the embedded tokens h
     [B,1,H], what the first layer adds to them (zeros: see ``decode_layer``), the rotary tables
-    cos and sin, the rows' blocks (their rows of the block table, or their slots) and the rows'
-    lengths with the new tokens. A function of tensors and the model, so that the engine can
-    compile it into a few kernels (eager, it is about a dozen small ones a step)."""
+    cos and sin, the rows' blocks (their rows of the block table, or their slots), where the new
+    tokens' keys and values go (blocks, offsets [B,1]) and the rows' lengths once they are
+    written. A function of tensors and the model, so that the engine can compile it into a few
+    kernels (eager, it is about a dozen small ones a step)."""
     h = model.model.embed_tokens(tokens[:, None])
     cos, sin = model.rope(positions[:, None], h.dtype)
     blocks = cache.table[slots] if cache.paged else slots  # [B, n] or [B]
-    return h, torch.zeros_like(h), cos, sin, blocks, positions + 1
+    at = cache.locate(slots[:, None], positions[:, None])
+    return h, torch.zeros_like(h), cos, sin, blocks, at, positions + 1
 
 
 def decode_end(model: Transformer, h: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
@@ -139,7 +140,7 @@ def decode_logits(model: Transformer, cache: KVCache, attention: DecodeAttention
     the positions) that the rows reach: the plain torch attention reads whole rows of what it is
     handed.
     """
-    h, pending, cos, sin, blocks, lengths = start_fn(model, cache, tokens, positions, slots)
+    h, pending, cos, sin, blocks, at, lengths = start_fn(model, cache, tokens, positions, slots)
     if span is not None and cache.paged:
         blocks = blocks[:, :-(-span // cache.block_size)]
     upto = span if span is not None and not cache.paged else None
@@ -148,6 +149,6 @@ def decode_logits(model: Transformer, cache: KVCache, attention: DecodeAttention
         k, v = cache.k[int(index)], cache.v[int(index)]
         if upto is not None:
             k, v = k[:, :, :upto], v[:, :, :upto]
-        h, pending = layer_fn(layer, h, pending, cos, sin, k, v, attention, blocks, lengths, windows[int(index)],
+        h, pending = layer_fn(layer, h, pending, cos, sin, k, v, attention, at, blocks, lengths, windows[int(index)],
                               prompts)
     return end_fn(model, h, pending)
