@@ -8,8 +8,9 @@ rows the Qwen3-1.7B decode products run at 38-57% of the matrix rate under that 
 K splits, cluster shapes), not one. This asks for up to ``--candidates`` of them per shape, with the
 workspace of ``engine.generate.timed_products``, and times each: y = x @ w.T with w stored [out,
 in] as the engine stores it, calls captured in one CUDA graph over enough weight copies that L2
-holds none, beside F.linear in the same harness; the largest difference from F.linear's result is reported with each. With
-``--profile`` the kernel names of F.linear's and the fastest algorithm's launches are recorded.
+holds none, beside F.linear in the same harness; the largest difference from F.linear's result is
+reported with each. With ``--profile`` the kernel names of F.linear's and the fastest algorithm's
+launches are recorded.
 The engine's ``cublaslt-timed`` products choose among the same candidates.
 """
 
@@ -91,8 +92,8 @@ def search(lt: CublasLt, shapes: dict, batches, count: int, bandwidth: float, ma
         ok = [t for t in timings if "us" in t]
         best = min(ok, key=lambda t: t["us"]) if ok else None
         flops = 2 * m * n * k
-        row = dict(weight=name, batch=m, n=n, k=k, torch_us=base * 1e6, torch_of_matrix_rate=flops / base / matrix_flops,
-                   candidates=timings, weight_floor_us=n * k * 2 / bandwidth * 1e6,
+        row = dict(weight=name, batch=m, n=n, k=k, torch_us=base * 1e6,
+                   torch_of_matrix_rate=flops / base / matrix_flops, candidates=timings, weight_floor_us=n * k * 2 / bandwidth * 1e6,
                    matrix_floor_us=flops / matrix_flops * 1e6)
         if best:
             row.update(best_rank=best["rank"], best_us=best["us"], best_of_matrix_rate=flops / best["us"] * 1e6

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -140,7 +141,6 @@ class TimedProducts:
         self._choices: dict[str, list] = {}  # file key -> [candidate rank, algorithm words] or [TORCH]
         self._algos: dict[tuple, Algo | None] = {}  # (device, m, n, k, dtype) -> the choice (None: torch)
         self._names: dict[torch.device, str] = {}
-        self._loaded_from: Path | None = None
 
     @property
     def lt(self) -> CublasLt:
@@ -158,10 +158,11 @@ class TimedProducts:
         return f"{self._names[device]}|cublasLt {self.lt.version}|{str(dtype).removeprefix('torch.')}|{m}x{n}x{k}"
 
     def _load(self) -> None:
+        """Take the file's choices over this process's: another process (the decode step's compile
+        helper, another rank) may have timed a shape since, and its choice is the one runs keep."""
         path = self._file()
-        if path is None or path == self._loaded_from:
+        if path is None:
             return
-        self._loaded_from = path
         try:
             self._choices.update(json.loads(path.read_text()))
         except FileNotFoundError:
@@ -173,7 +174,7 @@ class TimedProducts:
         path = self._file()
         if path is None:
             return
-        tmp = path.with_suffix(f".tmp{threading.get_ident()}")
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(self._choices, indent=1, sort_keys=True))
         tmp.replace(path)  # whole or not at all, also with several ranks writing
 
@@ -193,8 +194,9 @@ class TimedProducts:
         shape = (x.device, m, n, k, x.dtype)
         if shape not in self._algos:
             with self._lock:
-                self._load()
                 key = self._key(*shape)
+                if key not in self._choices:
+                    self._load()
                 if key not in self._choices:
                     if torch.cuda.is_current_stream_capturing():
                         return F.linear(x, w)
