@@ -17,7 +17,6 @@ from shardflow.engine.generate.decode_weights import (
     make_decode_weights,
     refresh_decode_weights,
 )
-from shardflow.engine.generate.engine import EngineConfig
 from shardflow.engine.generate.kv_cache import KVCache
 from shardflow.models.checkpoint import load_weights
 from shardflow.models.tiny import tiny_hf_config
@@ -191,21 +190,19 @@ def test_one_rank_generator_refusals_and_bad_schedules(checkpoints):
         generator.generate(make_requests([[5] * 70], params))
 
 
-@pytest.mark.parametrize("layout", ["concatenated", "transposed", "timed"])
-def test_decode_weight_copies_refresh_in_place(layout):
-    """Decoding engines read copies of the weights (q/k/v and gate/up concatenated; "transposed":
-    every decode product's weight stored [in, out]; "timed": every product copied and run through
-    the timed cuBLASLt products, torch's product off CUDA); refreshing them after the weights change
-    keeps their memory (graphs captured over them stay valid) and their values follow."""
-    transposed, every = layout == "transposed", layout != "concatenated"
+@pytest.mark.parametrize("transposed", [False, True])
+def test_decode_weight_copies_refresh_in_place(transposed):
+    """Decoding engines read copies of the weights (q/k/v and gate/up concatenated; with
+    ``transposed`` every decode product's weight stored [in, out]); refreshing them after the
+    weights change keeps their memory (graphs captured over them stay valid) and their values follow."""
     cfg = ModelConfig.from_hf_dict(tiny_hf_config("qwen2").to_dict())  # q/k/v biases, untied head
     model = build_model(cfg, shard_for(cfg, L("d1p1t1@0"), 0), None, "cpu", torch.float32)
     for p in model.parameters():
         torch.nn.init.normal_(p)
-    make_decode_weights(model, layout)
+    make_decode_weights(model, transposed)
     attn, mlp = model.model.layers["0"].self_attn, model.model.layers["0"].mlp
     copies = [attn.decode_qkv.weight, attn.decode_qkv.bias, mlp.decode_gate_up.weight]
-    if every:
+    if transposed:
         copies += [attn.o_proj.decode_weight.weight, mlp.down_proj.decode_weight.weight, model.decode_head.weight]
     pointers = [t.data_ptr() for t in copies]
     with torch.no_grad():
@@ -213,7 +210,7 @@ def test_decode_weight_copies_refresh_in_place(layout):
             p.add_(1.0)
     refresh_decode_weights(model)
     assert [t.data_ptr() for t in copies] == pointers
-    assert decode_weights_layout(model) == layout
+    assert decode_weights_layout(model) == ("transposed" if transposed else "concatenated")
 
     def stored(w):
         return w.t() if transposed else w
@@ -221,10 +218,10 @@ def test_decode_weight_copies_refresh_in_place(layout):
                        torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
     assert torch.equal(attn.decode_qkv.bias, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
     assert torch.equal(stored(mlp.decode_gate_up.weight), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-    if every:
-        assert torch.equal(stored(attn.o_proj.decode_weight.weight), attn.o_proj.weight)
-        assert torch.equal(stored(mlp.down_proj.decode_weight.weight), mlp.down_proj.weight)
-        assert torch.equal(stored(model.decode_head.weight), model.lm_head.weight)
+    if transposed:
+        assert torch.equal(attn.o_proj.decode_weight.weight.t(), attn.o_proj.weight)
+        assert torch.equal(mlp.down_proj.decode_weight.weight.t(), mlp.down_proj.weight)
+        assert torch.equal(model.decode_head.weight.t(), model.lm_head.weight)
         assert attn.o_proj.decode_weight.weight.is_contiguous()
     else:
         assert attn.o_proj.decode_weight is None and model.decode_head is None
@@ -237,15 +234,6 @@ def test_decode_weight_copies_refresh_in_place(layout):
     torch.testing.assert_close(decoded, trained, rtol=1e-5, atol=1e-4)
     drop_decode_weights(model)
     assert decode_weights_layout(model) is None and model.decode_head is None
-
-
-def test_decode_weights_layout_and_timed_blas_are_checked():
-    cfg = ModelConfig.from_hf_dict(tiny_hf_config("qwen2").to_dict())
-    model = build_model(cfg, shard_for(cfg, L("d1p1t1@0"), 0), None, "cpu", torch.float32)
-    with pytest.raises(ValueError, match="'sideways'"):
-        make_decode_weights(model, "sideways")
-    with pytest.raises(ValueError, match="does not combine with transposed_weights"):
-        EngineConfig(blas_library="cublaslt-timed", transposed_weights=True)
 
 
 def test_step_times_from_a_planner_profile_or_measured_steps(tmp_path):

@@ -236,7 +236,7 @@ def test_refusals(llama, checkpoints):
 
 
 def test_blas_library_is_checked_before_work_starts(checkpoints):
-    with pytest.raises(ValueError, match="blas_library must be one of cublas, cublaslt, cublaslt-timed or None; got 'mkl'"):
+    with pytest.raises(ValueError, match="blas_library must be one of cublas, cublaslt or None; got 'mkl'"):
         EngineConfig(blas_library="mkl")
     model = local_model(checkpoints.get("llama", "llama"))
     with pytest.raises(ValueError, match="blas_library 'cublaslt' needs a CUDA device; the model is on cpu"):

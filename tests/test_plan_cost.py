@@ -229,7 +229,7 @@ def test_decode_copy_bytes_match_the_copies_the_model_makes(transposed):
     for cfg in (tiny("llama"), tiny("qwen3", tie_word_embeddings=True)):
         for tp in (1, 2):
             model = build_model(cfg, shard_for(cfg, Layout.contiguous(tp=tp), 0), None, "cpu", torch.bfloat16)
-            make_decode_weights(model, "transposed" if transposed else "concatenated")
+            make_decode_weights(model, transposed)
             copies = [m for layer in model.model.layers.values()
                       for m in (layer.self_attn.decode_qkv, layer.mlp.decode_gate_up, layer.self_attn.o_proj.decode_weight,
                                 layer.mlp.down_proj.decode_weight)] + [model.decode_head]

@@ -16,10 +16,8 @@ from shardflow.config.schema import Settings, section, setting
 
 # torch.compile modes of the decode step that leave CUDA graphs to the engine (which captures its own)
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
-# BLAS libraries the decode step's products can run under on GPUs; "cublaslt-timed": each product
-# shape's fastest cuBLASLt algorithm, timed once and kept beside the compiled code
-TIMED_BLAS = "cublaslt-timed"
-BLAS_LIBRARIES = ("cublas", "cublaslt", TIMED_BLAS)
+# BLAS libraries the decode step's products can run under on GPUs
+BLAS_LIBRARIES = ("cublas", "cublaslt")
 # Tokens per paged KV block are whole multiples of this (blocks start at aligned positions).
 KV_BLOCK_MULTIPLE = 16
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -145,9 +143,8 @@ class GenerationConfig(Settings):
                                         "graphs into the compile cache, where the first generate call finds them)")
     compile_mode: str = setting("default", "torch.compile mode of the decode step (max-autotune-no-cudagraphs: "
                                            "autotuned kernels, much longer compilation)", choices=COMPILE_MODES)
-    blas_library: str = setting("", "BLAS library of the decode step's products on GPUs (empty: torch's default; "
-                                    f"{TIMED_BLAS}: each product shape's fastest cuBLASLt algorithm, timed once "
-                                    "and kept in run.compile_cache)", choices=("", *BLAS_LIBRARIES))
+    blas_library: str = setting("", "BLAS library of the decode step's products on GPUs (empty: torch's default)",
+                                choices=("", *BLAS_LIBRARIES))
     transposed_weights: bool = setting(False, "decode products read their weights stored transposed on GPUs (other "
                                               "cuBLAS kernels), for a copy of o, down and the LM head")
     share_prompt_kv: bool = setting(True, "decode attention on GPUs reads a prompt's KV once for all its samples "

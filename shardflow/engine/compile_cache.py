@@ -27,7 +27,6 @@ import torch
 from shardflow.models.transformer import TRIAL_TOKENS
 
 logger = logging.getLogger(__name__)
-_IN_USE: Path | None = None  # the directory ``use_compile_cache`` chose, for other files kept beside it
 
 
 def use_compile_cache(directory: str) -> Path | None:
@@ -56,14 +55,7 @@ def use_compile_cache(directory: str) -> Path | None:
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(root / "flash_attn_cute"))
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
-    global _IN_USE
-    _IN_USE = root
     return root
-
-
-def compile_cache_dir() -> Path | None:
-    """The directory ``use_compile_cache`` put this process's compiled code in, or None."""
-    return _IN_USE
 
 
 def start_compile_workers() -> bool:

@@ -170,7 +170,7 @@ def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, d
     # The engine decodes with fused q/k/v and gate/up copies on GPUs (every product's weight stored
     # transposed with ``transposed_weights``) and compiles its decode layer at tp=1: so does this.
     if device.type == "cuda" or transposed_weights:
-        make_decode_weights(model, "transposed" if transposed_weights else "concatenated")
+        make_decode_weights(model, transposed=transposed_weights)
     decode = compiled_or_eager(decode_layer, "the profiled decode layer") if compiled else decode_layer
     rows: list[list[float | None]] = []
     for batch in grid.batches:

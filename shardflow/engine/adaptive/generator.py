@@ -58,7 +58,7 @@ from shardflow.engine.adaptive.switch_cost import CostParams, SwitchCostModel
 from shardflow.engine.adaptive.switch_policy import Decider, Decision, Loads, bucket_edges, bucket_sums
 from shardflow.engine.adaptive.trace import GenerationTrace, Refusal, SwitchRecord
 from shardflow.engine.generate.decode_weights import make_decode_weights, refresh_decode_weights
-from shardflow.engine.generate.engine import EngineConfig, GenerationEngine, decode_layout
+from shardflow.engine.generate.engine import EngineConfig, GenerationEngine
 from shardflow.engine.generate.episodes import Answers, Episodes, Turns, apply_answers, collect_answers
 from shardflow.engine.generate.kv_cache import KVCache, bytes_per_position
 from shardflow.engine.generate.replicas import fill_results, replica_share, result_states
@@ -525,10 +525,10 @@ class AdaptiveGenerator:
             first.reset_cache(max_seq_len=first.max_seq_len, kv_cache_bytes=(int(blocks) + 1) * per_block)
 
     def _fuse_targets(self) -> None:
-        config = self._engine_config
-        if self.device.type == "cuda" or config.transposed_weights:
+        transposed = self._engine_config.transposed_weights
+        if self.device.type == "cuda" or transposed:
             for layout in self.chain[1:]:
-                make_decode_weights(self.models[layout], decode_layout(config))
+                make_decode_weights(self.models[layout], transposed)
 
     def _heads(self, layout: Layout) -> int:
         return shard_for(self.cfg, layout, self.world.rank).num_kv_heads

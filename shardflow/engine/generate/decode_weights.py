@@ -10,9 +10,7 @@ speed at small batches:
 - optionally every decode product (q/k/v, o, gate/up, down, LM head) reads its weight stored
   transposed, [in, out] (``x @ w``), for which cuBLAS picks other kernels (faster or not by the
   shape and batch: BENCHMARKS.md). This costs a copy of o, down and the head besides the
-  concatenations;
-- or optionally every decode product runs through the cuBLASLt algorithm timed fastest for its
-  shape (``timed_products``), over copies of o, down and the head as well.
+  concatenations.
 
 Copies are snapshots: ``refresh`` rewrites them in place after the weights change, so CUDA graphs
 captured over them stay valid. Forward passes that record gradients always read the parameters.
@@ -24,20 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardflow.engine.generate.timed_products import timed_linear
 from shardflow.models.transformer import Transformer
-
-LAYOUTS = ("concatenated", "transposed", "timed")
 
 
 class DecodeWeight:
-    """One product's weight (several concatenated along the output dimension) and bias, stored
-    and multiplied as ``layout`` says (one of ``LAYOUTS``)."""
+    """One product's weight (several concatenated along the output dimension) and bias."""
 
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None, layout: str):
-        self.layout = layout
-        self.transposed = layout == "transposed"
-        self.weight = torch.cat(weights).t().contiguous() if self.transposed else torch.cat(weights)
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None, transposed: bool):
+        self.transposed = transposed
+        self.weight = torch.cat(weights).t().contiguous() if transposed else torch.cat(weights)
         self.bias = torch.cat(biases) if biases else None
 
     def refresh(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None) -> None:
@@ -53,19 +46,19 @@ class DecodeWeight:
             torch.cat(biases, out=self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layout == "concatenated":
+        if not self.transposed:
             return F.linear(x, self.weight, self.bias)
-        y = x @ self.weight if self.transposed else timed_linear(x, self.weight)
+        y = x @ self.weight
         return y if self.bias is None else y + self.bias
 
 
 def set_decode_weight(old: DecodeWeight | None, weights: list[torch.Tensor], biases: list[torch.Tensor] | None,
-                      layout: str) -> DecodeWeight:
+                      transposed: bool) -> DecodeWeight:
     """``old`` refreshed in place when it has the requested layout, else a new copy."""
-    if old is not None and old.layout == layout:
+    if old is not None and old.transposed == transposed:
         old.refresh(weights, biases)
         return old
-    return DecodeWeight(weights, biases, layout)
+    return DecodeWeight(weights, biases, transposed)
 
 
 def _params(*linears: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
@@ -74,31 +67,28 @@ def _params(*linears: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]
 
 
 @torch.no_grad()
-def make_decode_weights(model: Transformer, layout: str = "concatenated") -> None:
+def make_decode_weights(model: Transformer, transposed: bool = False) -> None:
     """Install (or refresh in place) the copies that ``model``'s forward passes without gradients
-    read: the q/k/v and gate/up weights concatenated, and with the "transposed" or "timed"
-    ``layout`` copies of o, down and the head too (stored [in, out], or run through the timed
-    products). Call again after the weights change; CUDA graphs captured over the copies stay
-    valid while the layout stays."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"decode weights layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
-    every = layout != "concatenated"  # o, down and the head get copies too
+    read: the q/k/v and gate/up weights concatenated, and with ``transposed`` every decode
+    product's weight stored [in, out]. Call again after the weights change; CUDA graphs captured
+    over the copies stay valid while the layout stays."""
     for layer in model.model.layers.values():
         attn, mlp = layer.self_attn, layer.mlp
-        attn.decode_qkv = set_decode_weight(attn.decode_qkv, *_params(attn.q_proj, attn.k_proj, attn.v_proj), layout)
-        mlp.decode_gate_up = set_decode_weight(mlp.decode_gate_up, *_params(mlp.gate_proj, mlp.up_proj), layout)
+        attn.decode_qkv = set_decode_weight(attn.decode_qkv, *_params(attn.q_proj, attn.k_proj, attn.v_proj),
+                                            transposed)
+        mlp.decode_gate_up = set_decode_weight(mlp.decode_gate_up, *_params(mlp.gate_proj, mlp.up_proj), transposed)
         for row in (attn.o_proj, mlp.down_proj):  # their bias is added after the tp all-reduce
-            row.decode_weight = set_decode_weight(row.decode_weight, [row.weight], None, layout) if every else None
+            row.decode_weight = set_decode_weight(row.decode_weight, [row.weight], None, True) if transposed else None
     if model.shard.last_stage and model.score is None:
-        model.decode_head = (set_decode_weight(model.decode_head, [model.head_weight()], None, layout)
-                             if every else None)
+        model.decode_head = (set_decode_weight(model.decode_head, [model.head_weight()], None, True)
+                             if transposed else None)
 
 
 def refresh_decode_weights(model: Transformer) -> None:
     """Rewrite ``model``'s decode copies from its current weights, in place (a no-op without copies)."""
     layout = decode_weights_layout(model)
     if layout is not None:
-        make_decode_weights(model, layout)
+        make_decode_weights(model, layout == "transposed")
 
 
 def drop_decode_weights(model: Transformer) -> None:
@@ -109,6 +99,6 @@ def drop_decode_weights(model: Transformer) -> None:
 
 
 def decode_weights_layout(model: Transformer) -> str | None:
-    """None without decode copies, else one of ``LAYOUTS``."""
+    """None without decode copies, else "transposed" or "concatenated"."""
     first = next((layer.self_attn.decode_qkv for layer in model.model.layers.values()), None)
-    return None if first is None else first.layout
+    return None if first is None else "transposed" if first.transposed else "concatenated"

@@ -52,7 +52,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from shardflow.config.experiment import BLAS_LIBRARIES, COMPILE_MODES, TIMED_BLAS
+from shardflow.config.experiment import BLAS_LIBRARIES, COMPILE_MODES
 from shardflow.engine.compile_fallback import compiled_or_eager
 from shardflow.engine.generate.cuda_graphs import DecodeRunner
 from shardflow.engine.generate.decode_attention import ATTENTION
@@ -89,9 +89,7 @@ class EngineConfig:
     compile_mode: str = "default"  # torch.compile mode of the decode layers (one that leaves graphs to the engine)
     # The BLAS library of the decode step's products on CUDA ("cublas" or "cublaslt"); None: torch's
     # default. Which one is faster depends on the shape and batch (see BENCHMARKS.md); fixed per
-    # run, not timed at run time, so that a seed gives the same tokens in every run. TIMED_BLAS:
-    # each product shape's fastest cuBLASLt algorithm, timed once and kept in the compile cache, so
-    # that later runs take the same one (``timed_products``).
+    # run, not timed at run time, so that a seed gives the same tokens in every run.
     blas_library: str | None = None
     # Decode products read their weights stored transposed ([in, out]): other cuBLAS kernels
     # (BENCHMARKS.md), for a copy of o, down and the LM head (memory the KV cache then lacks). On
@@ -123,9 +121,6 @@ class EngineConfig:
         if self.blas_library not in (None, *BLAS_LIBRARIES):
             raise ValueError(f"blas_library must be one of {', '.join(BLAS_LIBRARIES)} or None; "
                              f"got {self.blas_library!r}")
-        if self.blas_library == TIMED_BLAS and self.transposed_weights:
-            raise ValueError(f"blas_library {TIMED_BLAS} runs products over weights stored [out, in]; it does not "
-                             "combine with transposed_weights")
 
 
 @dataclass
@@ -182,8 +177,7 @@ class GenerationEngine:
         self._start_fn = compiled(decode_start, "the decode step's start")
         self._end_fn = compiled(decode_end, "the decode step's end")
         self._pick_fn = compiled(pick, "the sampler's pick")
-        self._step_fn = with_blas_library(self._step, None if config.blas_library == TIMED_BLAS else
-                                          config.blas_library)
+        self._step_fn = with_blas_library(self._step, config.blas_library)
         self.stats = GenerationStats()
         self.waiting: deque[list[Request]] = deque()  # prefill units waiting for free slots
         self.active: list[Request] = []  # requests holding a slot, in admission order
@@ -210,7 +204,7 @@ class GenerationEngine:
         max_len = self.max_seq_len - 1  # the last token of a full sequence is never fed back
         self.release_cache()
         if self._decode_copies:  # fresh copies of the current weights, before sizing the cache
-            make_decode_weights(self.model, self._decode_layout)
+            make_decode_weights(self.model, config.transposed_weights)
         budget = kv_cache_bytes or config.kv_cache_bytes or self._default_budget(max_len)
         self.cache = KVCache.for_model(cfg, shard, budget_bytes=budget, max_len=max_len,
                                        max_slots=config.max_batch_size, dtype=self.dtype, device=self.device,
@@ -232,7 +226,7 @@ class GenerationEngine:
                              f"{self.model.cfg.head_dim}, {self.dtype} on {self.device})")
         self.cache, self.max_seq_len = cache, cache.max_len + 1
         if self._decode_copies and decode_weights_layout(self.model) != self._decode_layout:  # as reset_cache
-            make_decode_weights(self.model, self._decode_layout)
+            make_decode_weights(self.model, self.config.transposed_weights)
         self._make_decode()
 
     def _make_decode(self) -> None:
@@ -268,7 +262,7 @@ class GenerationEngine:
 
     @property
     def _decode_layout(self) -> str:
-        return decode_layout(self.config)
+        return "transposed" if self.config.transposed_weights else "concatenated"
 
     def _default_budget(self, max_len: int) -> int:
         cfg, shard, config = self.model.cfg, self.model.shard, self.config
@@ -761,13 +755,6 @@ def _step_inputs(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
 def _mode(requests: list[Request]) -> str:
     return batch_mode([r.params.temperature for r in requests], [r.params.top_k for r in requests],
                       [r.params.top_p for r in requests])
-
-
-def decode_layout(config: EngineConfig) -> str:
-    """How the engine's decode copies are laid out and run (``decode_weights.LAYOUTS``)."""
-    if config.transposed_weights:
-        return "transposed"
-    return "timed" if config.blas_library == TIMED_BLAS else "concatenated"
 
 
 def with_blas_library(fn: Callable, library: str | None) -> Callable:
