@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -150,8 +151,6 @@ def algo_config(lt: CublasLt, algo) -> dict:
 
 
 def kernel_names(fn) -> list[str]:
-    from torch.profiler import ProfilerActivity, profile
-
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -161,7 +160,8 @@ def kernel_names(fn) -> list[str]:
 
 
 def search(lt: CublasLt, shapes: dict, batches, count: int, bandwidth: float, matrix_flops: float,
-           profile_kernels: bool) -> list[dict]:
+           profile_kernels: bool, save) -> list[dict]:
+    """Rows per (product, batch); ``save(rows)`` after each, so that a run cut short keeps what it timed."""
     rows, workspace = [], torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     for (name, (n, k)), m in itertools.product(shapes.items(), batches):
         copies = max(1, -(-256 * 2**20 // (n * k * 2)))
@@ -198,6 +198,7 @@ def search(lt: CublasLt, shapes: dict, batches, count: int, bandwidth: float, ma
                 row["torch_kernels"] = kernel_names(lambda: F.linear(x, ws[0]))
                 row["best_kernels"] = kernel_names(lambda: lt.matmul(problem, algo, x, ws[0], y, workspace))
         rows.append(row)
+        save(rows)
         print(f"{name:>14} M={m:<5} torch {base * 1e6:7.1f} us ({100 * flops / base / matrix_flops:3.0f}%)"
               + (f"  heuristic #0 {row['first_us'] or float('nan'):7.1f}  best #{best['rank']} {best['us']:7.1f} us"
                  f" ({100 * row['best_of_matrix_rate']:3.0f}%) of {len(ok)}; max diff {best['max_abs_diff']:.1e}"
@@ -215,6 +216,9 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("cublaslt_search needs a CUDA GPU")
+    unknown = set(args.weights.split(",")) - set(QWEN3_1_7B)
+    if unknown:
+        raise SystemExit(f"unknown --weights {sorted(unknown)}; the shape's products are {', '.join(QWEN3_1_7B)}")
     shapes = {name: QWEN3_1_7B[name] for name in args.weights.split(",")}
     batches = [int(b) for b in args.batches.split(",")]
     bandwidth, flops = measure_rates(torch.device("cuda"))
@@ -223,10 +227,13 @@ def main() -> None:
     print(f"{result['device']}: copy {bandwidth / 1e9:.0f} GB/s, matrix {flops / 1e12:.0f} TFLOP/s", flush=True)
     lt = CublasLt()
     result["cublaslt_version"] = lt.version
-    result["rows"] = search(lt, shapes, batches, args.candidates, bandwidth, flops, args.profile)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "cublaslt_search.json").write_text(json.dumps(result, indent=2))
+
+    def save(rows):
+        (out / "cublaslt_search.json").write_text(json.dumps(dict(result, rows=rows), indent=2))
+
+    search(lt, shapes, batches, args.candidates, bandwidth, flops, args.profile, save)
 
 
 if __name__ == "__main__":
