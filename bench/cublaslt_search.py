@@ -214,11 +214,11 @@ def main() -> None:
     parser.add_argument("--weights", default=",".join(QWEN3_1_7B), help="which of the shape's products")
     parser.add_argument("--profile", action="store_true", help="record the kernels' names")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("cublaslt_search needs a CUDA GPU")
     unknown = set(args.weights.split(",")) - set(QWEN3_1_7B)
     if unknown:
         raise SystemExit(f"unknown --weights {sorted(unknown)}; the shape's products are {', '.join(QWEN3_1_7B)}")
+    if not torch.cuda.is_available():
+        raise SystemExit("cublaslt_search needs a CUDA GPU")
     shapes = {name: QWEN3_1_7B[name] for name in args.weights.split(",")}
     batches = [int(b) for b in args.batches.split(",")]
     bandwidth, flops = measure_rates(torch.device("cuda"))
