@@ -143,6 +143,8 @@ class GenerationConfig(Settings):
                                         "graphs into the compile cache, where the first generate call finds them)")
     compile_mode: str = setting("default", "torch.compile mode of the decode step (max-autotune-no-cudagraphs: "
                                            "autotuned kernels, much longer compilation)", choices=COMPILE_MODES)
+    combo_kernels: bool = setting(True, "the compiled decode step launches independent kernels as one (inductor's "
+                                        "combo kernels; fewer launches a layer)")
     blas_library: str = setting("", "BLAS library of the decode step's products on GPUs (empty: torch's default)",
                                 choices=("", *BLAS_LIBRARIES))
     transposed_weights: bool = setting(False, "decode products read their weights stored transposed on GPUs (other "

@@ -87,6 +87,9 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # capture decode steps as CUDA graphs; None: on CUDA
     compile: bool = False  # torch.compile the decode step's layers (fuses elementwise ops; tp = 1 only)
     compile_mode: str = "default"  # torch.compile mode of the decode layers (one that leaves graphs to the engine)
+    # Inductor launches independent kernels of the compiled step as one (its combo kernels): a decode
+    # layer's query and its key/value write, about 3 us of launch each at a few hundred rows.
+    combo_kernels: bool = True
     # The BLAS library of the decode step's products on CUDA ("cublas" or "cublaslt"); None: torch's
     # default. Which one is faster depends on the shape and batch (see BENCHMARKS.md); fixed per
     # run, not timed at run time, so that a seed gives the same tokens in every run.
@@ -170,8 +173,10 @@ class GenerationEngine:
         # its layers (embedding, rotary tables, block lookups; the final norm and head; the
         # sampler's pick among its candidates) compiles apart, each into a few kernels instead of
         # a dozen small ones.
+        options = {**torch._inductor.list_mode_options(config.compile_mode), "combo_kernels": config.combo_kernels}
+
         def compiled(fn, what):
-            return compiled_or_eager(fn, what, mode=config.compile_mode) if config.compile else fn
+            return compiled_or_eager(fn, what, options=options) if config.compile else fn
 
         self._layer_fn = compiled(decode_layer, "the decode layer")
         self._start_fn = compiled(decode_start, "the decode step's start")

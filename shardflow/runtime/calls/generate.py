@@ -50,6 +50,7 @@ def engine_config(config: ExperimentConfig, layout: Layout, num_prompts: int, de
         kv_cache_bytes=int(gen.kv_cache_gb * (1 << 30)) or None,
         compile=gen.compile and device.type == "cuda" and layout.tp == 1,
         compile_mode=gen.compile_mode,
+        combo_kernels=gen.combo_kernels,
         blas_library=(gen.blas_library or None) if device.type == "cuda" else None,
         transposed_weights=gen.transposed_weights and device.type == "cuda",
         share_prompt_kv=gen.share_prompt_kv,
