@@ -9,8 +9,8 @@ z = logits / T (T = 1 on greedy rows), the same noise with native uint32 arithme
 to ``sampling.noise_bits``), the score z + Gumbel, and the five fields of ``local_candidates``
 (best score, its global index, its z, the max of z and the sum of exp(z - max)). The noise's two
 logs are most of its arithmetic; a block of columns whose largest z plus the noise of its largest
-uniform cannot beat the best score so far skips them (with a trained model's peaked logits, most
-blocks), which changes no result.
+uniform cannot beat the best score so far skips them, which changes no result. Even where every z
+is equal, block k of a chunk can win with probability 1/k only, so most blocks skip.
 
 The grid is (rows, chunks of the row's columns): about PROGRAMS_PER_SM programs per SM at any
 batch, so batch 1 still spreads over the GPU. The output [C, B, 5] holds the chunks in vocabulary
