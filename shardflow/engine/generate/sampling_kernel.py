@@ -7,10 +7,7 @@ maxima and the sum of exponentials; compiled, it is still several float32 and in
 kernel reads each logit once and keeps everything else in registers: the scaled logit
 z = logits / T (T = 1 on greedy rows), the same noise with native uint32 arithmetic (bit-identical
 to ``sampling.noise_bits``), the score z + Gumbel, and the five fields of ``local_candidates``
-(best score, its global index, its z, the max of z and the sum of exp(z - max)). The noise's two
-logs are most of its arithmetic; a block of columns whose largest z plus the noise of its largest
-uniform cannot beat the best score so far skips them, which changes no result. Even where every z
-is equal, block k of a chunk can win with probability 1/k only, so most blocks skip.
+(best score, its global index, its z, the max of z and the sum of exp(z - max)).
 
 The grid is (rows, chunks of the row's columns): about PROGRAMS_PER_SM programs per SM at any
 batch, so batch 1 still spreads over the GPU. The output [C, B, 5] holds the chunks in vocabulary
@@ -73,19 +70,11 @@ if triton is not None:
         return _mix32(h ^ (key >> 7))
 
     @triton.jit
-    def _unit(bits):
-        """``sampling.unit_interval(bits)`` (exact: 23 bits and a half in float32)."""
-        return ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
-
-    @triton.jit
-    def _gumbel_of(u):
-        """-log(-log(u)); tl.log is the log that inductor's code for ``torch.log`` calls."""
-        return -tl.log(-tl.log(u))
-
-    @triton.jit
     def _gumbel(bits):
-        """``sampling.gumbel_noise`` of the hash bits."""
-        return _gumbel_of(_unit(bits))
+        """-log(-log(u)), u = ``sampling.unit_interval(bits)`` (exact: 23 bits and a half in float32).
+        tl.log is the log that inductor's code for ``torch.log`` calls."""
+        u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
+        return -tl.log(-tl.log(u))
 
     @triton.jit
     def _candidates_kernel(X, Temperature, Seed, Position, Out, stride_x, stride_oc, V, vocab_start, chunk,
@@ -101,16 +90,11 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         lo = c * chunk
         base = X + row.to(tl.int64) * stride_x
-        # Greedy: per lane, the best z and its column (strict >: the earlier column keeps a tie).
-        # Sampled: the chunk's best score so far, its column and z, one of each; a block's scores
-        # are computed only where the block could beat that best (below). Then the max of z and the
-        # sum of exp(z - max), per lane; all from -inf / 0, so that an all-padding chunk stays so.
+        # Per lane: best score, its column and z (strict >: the earlier column keeps a tie); the
+        # max of z and the sum of exp(z - max), both from -inf / 0 so an all-padding chunk stays so.
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_col = lo + offs
         best_z = tl.full([BLOCK], float("-inf"), tl.float32)
-        top = tl.full([], float("-inf"), tl.float32)
-        top_col = lo
-        top_z = tl.full([], float("-inf"), tl.float32)
         m = tl.full([BLOCK], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
         for v0 in range(lo, tl.minimum(lo + chunk, V), BLOCK):
@@ -118,41 +102,28 @@ if triton is not None:
             z = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
             if t != 1.0:  # x / 1 = x exactly: greedy rows and T = 1 skip the division
                 z = tl.math.div_rn(z, t)  # correctly rounded, as torch's division (Triton's "/" is not)
+            score = z
             if SAMPLE:
-                # The noise grows with u, so no score of the block exceeds max(z) + noise(max(u)):
-                # the two logs per column (most of the kernel's arithmetic) run only for blocks
-                # where that bound reaches the best so far. The margin covers a last-bit
-                # non-monotone log; skipping a block that could not win changes nothing.
-                u = _unit(_noise_bits(key, vocab_start + cols))
-                bound = tl.max(z, 0) + (_gumbel_of(tl.max(u, 0)) + 1e-3) * gate
-                if bound >= top:
-                    score = z + _gumbel_of(u) * gate
-                    block_top = tl.max(score, 0)
-                    if block_top > top:  # strict: an earlier block keeps a tie
-                        top_col = tl.min(tl.where(score == block_top, cols, 2147483647), 0)
-                        top_z = tl.max(tl.where(cols == top_col, z, float("-inf")), 0)
-                        top = block_top
-            else:
-                take = z > best
-                best = tl.where(take, z, best)
-                best_col = tl.where(take, cols, best_col)
-                best_z = tl.where(take, z, best_z)
+                score = z + _gumbel(_noise_bits(key, vocab_start + cols)) * gate
+            take = score > best
+            best = tl.where(take, score, best)
+            best_col = tl.where(take, cols, best_col)
+            best_z = tl.where(take, z, best_z)
             # One exp per element: exp(lower - higher) of (running max, z) scales whichever is lower.
             # (Triton's fast exp, as in token_stats: the sum needs ~1e-7, not the last bit.)
             hi = tl.maximum(m, z)
             d = tl.exp(tl.minimum(m, z) - tl.where(hi == float("-inf"), 0.0, hi))
             s = tl.where(z > m, s * d + 1.0, s + d)
             m = hi
-        if not SAMPLE:
-            top = tl.max(best, 0)
-            top_col = tl.min(tl.where(best == top, best_col, 2147483647), 0)  # lowest column of the best
-            top_z = tl.max(tl.where(best_col == top_col, best_z, float("-inf")), 0)  # the one lane holding it
+        top = tl.max(best, 0)
+        col = tl.min(tl.where(best == top, best_col, 2147483647), 0)  # lowest column of the best
+        z_top = tl.max(tl.where(best_col == col, best_z, float("-inf")), 0)  # the one lane holding it
         row_max = tl.max(m, 0)
         s_row = tl.sum(s * tl.exp(m - tl.where(row_max == float("-inf"), 0.0, row_max)), 0)
         out = Out + c * stride_oc + row * 5
         tl.store(out + 0, top.to(tl.float64))
-        tl.store(out + 1, (vocab_start + top_col).to(tl.float64))
-        tl.store(out + 2, top_z.to(tl.float64))
+        tl.store(out + 1, (vocab_start + col).to(tl.float64))
+        tl.store(out + 2, z_top.to(tl.float64))
         tl.store(out + 3, row_max.to(tl.float64))
         tl.store(out + 4, s_row.to(tl.float64))
 
