@@ -135,7 +135,8 @@ def linear_sweep(device, cfg, dtype, batches=(1, 16, 64, 256), autotune: bool = 
 
 
 def kernel_profile(model, device, batch: int, context: int, compile: bool, temperature: float,
-                   samples: int = 1, prompt: int | None = None, kv_block_size: int | None = None) -> dict:
+                   samples: int = 1, prompt: int | None = None, kv_block_size: int | None = None,
+                   combo_kernels: bool = True) -> dict:
     """Top kernels of 10 decode steps at ``batch`` rows and ``context`` positions: ``batch /
     samples`` prompts of ``prompt`` tokens (default ``context``) with ``samples`` samples each
     (one prefill per prompt, as GRPO groups have), decoded up to ``context`` before profiling.
@@ -152,7 +153,8 @@ def kernel_profile(model, device, batch: int, context: int, compile: bool, tempe
 
     def engine_at_context(graphs: bool) -> GenerationEngine:
         engine = GenerationEngine(model, EngineConfig(max_seq_len=context + 64, max_batch_size=batch, cuda_graphs=graphs,
-                                                      compile=compile, kv_block_size=kv_block_size), eos_token_ids=[])
+                                                      compile=compile, kv_block_size=kv_block_size,
+                                                      combo_kernels=combo_kernels), eos_token_ids=[])
         engine.submit(make_requests(prompts, params, samples_per_prompt=samples))
         for _ in range(warm):
             engine.step()
@@ -263,6 +265,8 @@ def main() -> None:
                         help="prompt length of the kernel profile (default: the context; decoded up to it)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature of the profiled steps (0 = greedy; GRPO samples at 1)")
+    parser.add_argument("--no-combo-kernels", action="store_true",
+                        help="the profiled step compiled without inductor's combo kernels (the engine's default uses them)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda":
@@ -294,7 +298,7 @@ def main() -> None:
             try:
                 result["profile"][key] = kernel_profile(model, device, b, c, comp, args.temperature,
                                                             args.samples_per_prompt, args.prompt_tokens,
-                                                            args.kv_block_size or None)
+                                                            args.kv_block_size or None, not args.no_combo_kernels)
             except Exception as e:  # noqa: BLE001 - keep the other measurements
                 result["profile"][key] = dict(kernels=[], error=f"{type(e).__name__}: {e}"[:300])
             (out / "decode_profile.json").write_text(json.dumps(result, indent=2))  # kept if cut short
