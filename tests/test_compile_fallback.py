@@ -11,6 +11,7 @@ import torch
 
 from shardflow.engine.compile_cache import kernel_compile_seconds, start_compile_workers, use_compile_cache
 from shardflow.engine.compile_fallback import compiled_or_eager
+from shardflow.engine.generate.steps import step_compile_options
 from shardflow.models.transformer import TRIAL_TOKENS
 
 
@@ -31,6 +32,30 @@ def test_a_failing_compiler_falls_back_to_the_eager_function_and_says_so(caplog)
     n = len(calls)
     assert torch.equal(run(torch.ones(2)), torch.full((2,), 2.0))  # eager from now on, no new warning
     assert len(calls) == n + 1
+
+
+def test_a_failing_compiler_setting_falls_back_to_the_other_settings_first(caplog):
+    compiled_with = []
+
+    def counting_backend(gm, example_inputs):
+        compiled_with.append("fallback")
+        return gm.forward
+
+    run = compiled_or_eager(lambda x: 2 * x, "the doubler", fallback={"backend": counting_backend},
+                            backend=_broken_backend)
+    assert torch.equal(run(torch.ones(3)), torch.full((3,), 2.0))
+    assert compiled_with == ["fallback"]  # compiled with the fallback, not run eager
+    assert re.search("(?s)torch.compile of the doubler failed, compiling it again with.*no code for this pattern",
+                     caplog.text)
+    assert "running it eager" not in caplog.text
+    assert torch.equal(run(torch.ones(3)), torch.full((3,), 2.0)) and compiled_with == ["fallback"]
+
+
+def test_the_decode_step_compiles_with_combo_kernels_and_falls_back_without_them():
+    options, fallback = step_compile_options("max-autotune-no-cudagraphs")
+    assert options == {"options": {"max_autotune": True, "coordinate_descent_tuning": True, "combo_kernels": True}}
+    assert fallback["options"]["combo_kernels"] is False and fallback["options"]["max_autotune"]
+    assert step_compile_options("default", combo_kernels=False)[0] == {"options": {"combo_kernels": False}}
 
 
 def test_an_error_of_the_function_itself_still_raises(caplog):

@@ -34,7 +34,7 @@ from shardflow.config.model import ModelConfig
 from shardflow.engine.compile_fallback import compiled_or_eager
 from shardflow.engine.generate.decode_attention import ATTENTION
 from shardflow.engine.generate.decode_weights import make_decode_weights
-from shardflow.engine.generate.steps import decode_layer
+from shardflow.engine.generate.steps import decode_layer, step_compile_options
 from shardflow.models.packed_attention import PackedSequences, packed_attention
 from shardflow.models.transformer import Transformer, build_model, causal_attention
 from shardflow.parallel.launch import launch
@@ -171,7 +171,10 @@ def profile_layer(cfg: ModelConfig, tp: int, grid: Grid, device: torch.device, d
     # transposed with ``transposed_weights``) and compiles its decode layer at tp=1: so does this.
     if device.type == "cuda" or transposed_weights:
         make_decode_weights(model, transposed=transposed_weights)
-    decode = compiled_or_eager(decode_layer, "the profiled decode layer") if compiled else decode_layer
+    decode = decode_layer
+    if compiled:
+        options, fallback = step_compile_options()  # the engine's default settings
+        decode = compiled_or_eager(decode_layer, "the profiled decode layer", fallback=fallback, **options)
     rows: list[list[float | None]] = []
     for batch in grid.batches:
         row: list[float | None] = []

@@ -67,6 +67,7 @@ from shardflow.engine.generate.steps import (
     decode_start,
     extend_cache,
     prefill_logits,
+    step_compile_options,
 )
 from shardflow.models.transformer import Transformer
 from shardflow.parallel.device_memory import free_bytes
@@ -87,9 +88,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # capture decode steps as CUDA graphs; None: on CUDA
     compile: bool = False  # torch.compile the decode step's layers (fuses elementwise ops; tp = 1 only)
     compile_mode: str = "default"  # torch.compile mode of the decode layers (one that leaves graphs to the engine)
-    # Inductor launches independent kernels of the compiled step as one (its combo kernels): a decode
-    # layer's query and its key/value write, about 3 us of launch each at a few hundred rows.
-    combo_kernels: bool = True
+    combo_kernels: bool = True  # the compiled step with inductor's combo kernels (``steps.step_compile_options``)
     # The BLAS library of the decode step's products on CUDA ("cublas" or "cublaslt"); None: torch's
     # default. Which one is faster depends on the shape and batch (see BENCHMARKS.md); fixed per
     # run, not timed at run time, so that a seed gives the same tokens in every run.
@@ -173,10 +172,11 @@ class GenerationEngine:
         # its layers (embedding, rotary tables, block lookups; the final norm and head; the
         # sampler's pick among its candidates) compiles apart, each into a few kernels instead of
         # a dozen small ones.
-        options = {**torch._inductor.list_mode_options(config.compile_mode), "combo_kernels": config.combo_kernels}
-
         def compiled(fn, what):
-            return compiled_or_eager(fn, what, options=options) if config.compile else fn
+            if not config.compile:  # uncompiled processes never load the compiler (seconds)
+                return fn
+            options, fallback = step_compile_options(config.compile_mode, config.combo_kernels)
+            return compiled_or_eager(fn, what, fallback=fallback, **options)
 
         self._layer_fn = compiled(decode_layer, "the decode layer")
         self._start_fn = compiled(decode_start, "the decode step's start")

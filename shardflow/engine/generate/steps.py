@@ -102,6 +102,15 @@ def decode_layer(layer: DecoderLayer, x: torch.Tensor, pending: torch.Tensor, co
     return x, layer.mlp(layer.post_attention_layernorm(x))
 
 
+def step_compile_options(mode: str = "default", combo_kernels: bool = True) -> tuple[dict, dict]:
+    """``torch.compile``'s arguments for the decode step's functions, and the ones to fall back to:
+    inductor's options of ``mode``, with its combo kernels (independent kernels launched as one: a
+    layer's query and its key/value write, about 3 us of launch each at a few hundred rows) unless
+    turned off; without them as the fallback, should a torch release fail to compile them."""
+    options = torch._inductor.list_mode_options(mode)
+    return {"options": {**options, "combo_kernels": combo_kernels}}, {"options": {**options, "combo_kernels": False}}
+
+
 def decode_start(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
                  slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A decode step before its layers: tokens, positions, slots [B] -> the embedded tokens h
