@@ -37,15 +37,12 @@ from generation import kernel_timed, measure_bandwidth  # noqa: E402
 
 from shardflow.engine.generate.decode_attention import (  # noqa: E402
     BLOCK_N,
+    NUM_STAGES,
     NUM_WARPS,
-    PROGRAMS_PER_SM,
-    STREAM_STAGES,
     decode_attention_torch,
     decode_attention_triton,
 )
 from shardflow.perf.sharing import PROMPT_ROWS  # noqa: E402
-
-DEFAULT_KNOBS = (BLOCK_N, NUM_WARPS, STREAM_STAGES, PROGRAMS_PER_SM)
 
 
 def paged(k: torch.Tensor, v: torch.Tensor, block_size: int, g: torch.Generator, samples: int, prompt: int):
@@ -70,12 +67,9 @@ def paged(k: torch.Tensor, v: torch.Tensor, block_size: int, g: torch.Generator,
 
 
 def measure(device, dtype, prompts_n: int, samples: int, heads: int, kv_heads: int, d: int, prompt: int,
-            max_len: int, contexts: list[int], block_size: int = 0, knobs: list[tuple[int, int, int, int]] = ()) -> dict:
-    """Per context, the engine's kernel without and with ``prompts`` (with ``prompts`` also with the
-    one-split kernel a program per row and KV head, ``stream=False``), and once with every row at a
-    length of its own (drawn between its prompt and the longest context); per knob setting of the
-    stream kernel (positions per inner step, warps, stages, programs per SM), the cascade's mean
-    over the contexts."""
+            max_len: int, contexts: list[int], block_size: int = 0, knobs: list[tuple[int, int, int]] = ()) -> dict:
+    """Per context, the engine's kernel without and with ``prompts``; per knob setting (positions per
+    inner step, warps, stages), the cascade's mean over the contexts."""
     if samples > PROMPT_ROWS:
         raise ValueError(f"{samples} samples per prompt: one group holds at most {PROMPT_ROWS}")
     batch = prompts_n * samples
@@ -96,37 +90,29 @@ def measure(device, dtype, prompts_n: int, samples: int, heads: int, kv_heads: i
     groups = torch.arange(batch, device=device) // samples  # groups of at most PROMPT_ROWS rows
     prompts = (groups, torch.full((batch,), prompt, device=device))
     item = k.element_size()
-    varied = torch.randint(prompt + 1, max(contexts) + 1, (batch,), device=device, generator=g, dtype=torch.int32)
-    cases = [(str(c), torch.full((batch,), c, device=device, dtype=torch.int32)) for c in contexts]
     results, cascade_bytes = [], []
-    for name, lengths in [*cases, ("varied", varied)]:
+    for context in contexts:
+        lengths = torch.full((batch,), context, device=device, dtype=torch.int32)
         args = (q, k, v, slots, lengths, None)
-        own = int((lengths - prompt).sum())
-        cascade = 2 * kv_heads * d * item * (prompts_n * prompt + own)
-        if name != "varied":
-            cascade_bytes.append(cascade)
+        cascade_bytes.append(2 * kv_heads * d * item * (prompts_n * prompt + batch * (context - prompt)))
         results.append({
-            "context": name,
+            "context": context,
             "engine_us": 1e6 * kernel_timed(lambda: decode_attention_triton(*args), device),
             "cascade_us": 1e6 * kernel_timed(lambda: decode_attention_triton(*args, prompts), device),
-            "cascade_split_us": 1e6 * kernel_timed(lambda: decode_attention_triton(*args, prompts, stream=False),
-                                                   device),
-            "engine_bytes": 2 * kv_heads * d * item * int(lengths.sum()),
-            "cascade_bytes": cascade,
+            "engine_bytes": 2 * batch * kv_heads * context * d * item,
+            "cascade_bytes": cascade_bytes[-1],
             "max_abs_diff": (decode_attention_triton(*args).float()
                              - decode_attention_triton(*args, prompts).float()).abs().max().item(),
-            "max_abs_diff_split": (decode_attention_triton(*args, prompts, stream=False).float()
-                                   - decode_attention_triton(*args, prompts).float()).abs().max().item(),
             "max_abs_diff_torch": (decode_attention_torch(*args).float()
                                    - decode_attention_triton(*args, prompts).float()).abs().max().item(),
         })
     sweep = []
-    for block, warps, stages, per_sm in knobs:
-        row = {"block": block, "warps": warps, "stages": stages, "programs_per_sm": per_sm}
+    for block, warps, stages in knobs:
+        row = {"block": block, "warps": warps, "stages": stages}
         try:
             us = [1e6 * kernel_timed(lambda: decode_attention_triton(
-                q, k, v, slots, lengths, None, prompts, block=block, num_warps=warps, stream_stages=stages,
-                programs_per_sm=per_sm), device) for _, lengths in cases]
+                q, k, v, slots, torch.full((batch,), c, device=device, dtype=torch.int32), None, prompts, block=block,
+                num_warps=warps, num_stages=stages), device) for c in contexts]
         except Exception as e:  # noqa: BLE001 - a setting may not compile (shared memory)
             sweep.append(row | {"error": str(e)[:200]})
             continue
@@ -157,7 +143,7 @@ def main() -> None:
     if args.tiny:  # 2 prompts x 4 samples, 2 KV heads of 16, prompts of 8 positions
         shape = dict(prompts_n=2, samples=4, heads=4, kv_heads=2, d=16, prompt=8, max_len=40)
         contexts = [12, 39]
-        grid = [(16, 4, 2, 2), (8, 2, 3, 1)]
+        grid = [(16, 4, 2), (8, 2, 1)]
     else:  # Qwen3-1.7B's heads; by default the GRPO iteration's 32 prompts x 8 samples, 64-token prompts
         contexts = [int(c) for c in args.contexts.split(",")]
         if min(contexts) <= args.prompt_tokens:
@@ -165,13 +151,13 @@ def main() -> None:
                              f"{args.prompt_tokens} (a row decodes past its prompt)")
         shape = dict(prompts_n=args.prompts, samples=args.samples, heads=16, kv_heads=8, d=128,
                      prompt=args.prompt_tokens, max_len=max(576, max(contexts) + 1))
-        grid = [knobs for knobs in itertools.product((32, 64), (4, 8), (2, 3, 4), (2, 3, 4, 5))
-                if knobs != DEFAULT_KNOBS]
+        grid = [knobs for knobs in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))
+                if knobs != (BLOCK_N, NUM_WARPS, NUM_STAGES)]
     if args.block_size < 0:
         raise ValueError(f"--block-size {args.block_size}: positions per block must be positive (0: one slot per row)")
     if args.block_size and shape["max_len"] < args.block_size:
         raise ValueError(f"--block-size {args.block_size}: longer than the cache's {shape['max_len']} positions")
-    grid = [DEFAULT_KNOBS, *grid] if args.sweep else []
+    grid = [(BLOCK_N, NUM_WARPS, NUM_STAGES), *grid] if args.sweep else []
     measured = measure(device, dtype, **shape, contexts=contexts, block_size=args.block_size, knobs=grid)
     rows = measured["rows"]
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
@@ -183,33 +169,28 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "prompt_kv_attention.json").write_text(json.dumps(result, indent=2))
 
-    print(f"| context | engine us | cascade us | cascade, a program per row and KV head, us | engine GB/s | cascade GB/s "
-          f"| max abs diff (engine, split, torch) |  ({shape['prompts_n']} prompts x {shape['samples']} samples, "
-          f"{shape['prompt']}-position prompts, {dtype})")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| context | engine us | cascade us | engine GB/s | cascade GB/s | max abs diff (engine, torch) |  ({shape['prompts_n']} prompts "
+          f"x {shape['samples']} samples, {shape['prompt']}-position prompts, {dtype})")
+    print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['context']} | {r['engine_us']:.1f} | {r['cascade_us']:.1f} | {r['cascade_split_us']:.1f} "
-              f"| {r['engine_bytes'] / r['engine_us'] / 1e3:.0f} | {r['cascade_bytes'] / r['cascade_us'] / 1e3:.0f} "
-              f"| {r['max_abs_diff']:.1e}, {r['max_abs_diff_split']:.1e}, {r['max_abs_diff_torch']:.1e} |")
-    fixed = [r for r in rows if r["context"] != "varied"]
-    mean = lambda key: sum(r[key] for r in fixed) / len(fixed)  # noqa: E731
+        print(f"| {r['context']} | {r['engine_us']:.1f} | {r['cascade_us']:.1f} | {r['engine_bytes'] / r['engine_us'] / 1e3:.0f}"
+              f" | {r['cascade_bytes'] / r['cascade_us'] / 1e3:.0f} | {r['max_abs_diff']:.1e}, {r['max_abs_diff_torch']:.1e} |")
+    mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     print(f"mean over the contexts: engine {mean('engine_us'):.1f} us, cascade {mean('cascade_us'):.1f} us "
-          f"({mean('cascade_us') / mean('engine_us'):.3f}x), a program per row and KV head "
-          f"{mean('cascade_split_us'):.1f} us"
+          f"({mean('cascade_us') / mean('engine_us'):.3f}x)"
           + (f"; copy bandwidth {result['bandwidth_gb_s']:.0f} GB/s, read {result['read_bandwidth_gb_s']:.0f} GB/s"
              if "bandwidth_gb_s" in result else ""))
     if result["sweep"]:
         copy = result.get("bandwidth_gb_s")
-        print("| positions per step | warps | stages | programs per SM | cascade us, mean over the contexts | GB/s "
-              "| of copy bandwidth |")
-        print("|---:|---:|---:|---:|---:|---:|---:|")
+        print("| positions per step | warps | stages | cascade us, mean over the contexts | GB/s | of copy bandwidth |")
+        print("|---:|---:|---:|---:|---:|---:|")
         for r in sorted(result["sweep"], key=lambda r: r.get("mean_us", float("inf"))):
-            knobs = f"| {r['block']} | {r['warps']} | {r['stages']} | {r['programs_per_sm']} |"
             if "error" in r:
-                print(f"{knobs} {r['error'][:60]} | | |")
+                print(f"| {r['block']} | {r['warps']} | {r['stages']} | {r['error'][:60]} | | |")
                 continue
             gbps = r["bytes"] / r["mean_us"] / 1e3
-            print(f"{knobs} {r['mean_us']:.1f} | {gbps:.0f} | " + (f"{gbps / copy:.0%} |" if copy else " |"))
+            print(f"| {r['block']} | {r['warps']} | {r['stages']} | {r['mean_us']:.1f} | {gbps:.0f} | "
+                  + (f"{gbps / copy:.0%} |" if copy else " |"))
 
 
 if __name__ == "__main__":

@@ -24,14 +24,12 @@ def test_warmed_decode_kernels_are_the_variants_the_first_step_launches(checkpoi
     """``compile_kernels`` warms, from an engine's settings alone, the decode attention kernels
     that a step over its cache launches (its largest batch: one split, or three and their merge;
     a paged cache or a contiguous one; prompt-KV sharing) and the sampler's kernel over the
-    model's logits, in the run's mode. One split runs the stream kernel (blocks of 16 positions
-    hold no whole tile of 64: the split kernel)."""
+    model's logits, in the run's mode."""
     from shardflow.engine.generate import decode_attention as da
     from shardflow.engine.generate import kernel_warmup
     from shardflow.engine.generate import sampling_kernel as sk
 
-    kernels = [(da, "_prompt_kernel"), (da, "_split_kernel"), (da, "_stream_kernel"), (da, "_merge_kernel"),
-               (sk, "_candidates_kernel")]
+    kernels = [(da, "_prompt_kernel"), (da, "_split_kernel"), (da, "_merge_kernel"), (sk, "_candidates_kernel")]
     recorders = {}
     for module, name in kernels:
         recorders[name] = Recorder(getattr(module, name))
@@ -53,11 +51,8 @@ def test_warmed_decode_kernels_are_the_variants_the_first_step_launches(checkpoi
                          model.shard.vocab_start, mode == SAMPLE)
     kernel_warmup.compile_kernels(torch.device("cpu"), logits.dtype, model.cfg, model.shard, config, mode=mode,
                                   shared_prompts=True)
-    assert recorders["_candidates_kernel"].launched
+    assert recorders["_split_kernel"].launched and recorders["_candidates_kernel"].launched
     assert bool(recorders["_merge_kernel"].launched) == (batch == 2)  # three splits on 4 CPU "SMs"
-    streamed = batch == 6 and block_size is None
-    assert bool(recorders["_stream_kernel"].launched) == streamed
-    assert bool(recorders["_split_kernel"].launched) != streamed
     for name, recorder in recorders.items():
         assert recorder.warmed == recorder.launched, name
 

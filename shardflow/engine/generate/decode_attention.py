@@ -45,9 +45,6 @@ BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 4, 2
 # 64 KB of its 228 KB of shared memory): the splits fill one wave of them, and no more.
 PROGRAMS_PER_SM = 3
 MAX_SPLITS = 32
-# One split per (row, KV head): a program runs the tiles of several such items as one loop
-# (``_stream_kernel``), its pipeline this deep.
-STREAM, STREAM_STAGES = True, 3
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
@@ -78,12 +75,9 @@ def num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device, pr
     """Splits of each request's positions: as many as fit ``programs_per_sm`` programs per SM in
     one wave. More splits add partial results to merge and a ragged last wave; a batch that fills
     the GPU by itself (requests x KV heads >= resident programs) takes one split and no merge."""
-    fit = programs_per_sm * _sm_count(device) // max(1, batch * kv_heads)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    fit = programs_per_sm * sms // max(1, batch * kv_heads)
     return max(1, min(fit, MAX_SPLITS, math.ceil(max_len / block)))
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 if triton is not None:
@@ -248,106 +242,6 @@ if triton is not None:
             tl.store(Sum + m_off, l_i, mask=mask_h)
 
     @triton.jit
-    def _stream_kernel(Q, K, V, Blocks, Lengths, Out, Prompt, PromptAcc, PromptMax, PromptSum, items, programs,
-                       stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
-                       stride_bb, block_size, stride_ob, stride_oh, stride_sb, stride_sh, stride_pmb, scale_log2,
-                       window, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       ITEMS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-                       PRECISION: tl.constexpr, UPCAST: tl.constexpr, SHARED: tl.constexpr, PAGED: tl.constexpr):
-        """One split per (row, KV head) item, as ``_split_kernel`` with SPLITS 1, but a program takes
-        items ``p, p + programs, ...`` (at most ITEMS) and runs their tiles as one loop. Why: with a
-        program per item, every program begins with a chain of dependent loads (the row's length, its
-        first block's number, that block's keys) and ends with a store; equal items start together,
-        wave after wave, and the device's bandwidth idles through each wave's start. In one loop the
-        pipeline's loads of the next item's first tile are issued during the current item's last.
-        Each tile's item and offset are computed from vectors over the program's items held in
-        registers, so no address waits on a value of the loop before. PAGED: blocks a multiple of
-        BLOCK long (each tile in one block); else a row is one slot."""
-        pid = tl.program_id(0)
-        offs_j = tl.arange(0, ITEMS)
-        item = pid + offs_j * programs
-        valid = item < items
-        row = tl.where(valid, item // KV_HEADS, 0)
-        length = tl.load(Lengths + row, mask=valid, other=0).to(tl.int32)
-        lo = length * 0
-        if window > 0:
-            lo = tl.maximum(length - window, 0)
-        has_prompt = valid & (lo < 0)  # all false: SHARED sets it
-        if SHARED:  # the prompt's positions are in the state _prompt_kernel left
-            prompt = tl.load(Prompt + row, mask=valid, other=0).to(tl.int32)
-            lo = tl.maximum(lo, prompt)
-            has_prompt = valid & (prompt > 0)
-        first = lo - lo % BLOCK
-        # every item takes at least one tile, so that each writes its output (an empty range's tile is all masked)
-        tiles = tl.where(valid, tl.maximum(tl.cdiv(length - first, BLOCK), 1), 0)
-        ends = tl.cumsum(tiles, 0)  # each item's tiles end before this iteration
-        offs_n = tl.arange(0, BLOCK)
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_h = offs_h < GROUP
-        mask_d = offs_d < HEAD_DIM
-        mask_hd = mask_h[:, None] & mask_d[None, :]
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for t in range(0, tl.sum(tiles, 0)):
-            at = offs_j == tl.sum((ends <= t).to(tl.int32), 0)  # the item of this tile, as a one-hot vector
-            end = tl.sum(tl.where(at, ends, 0), 0)
-            b = tl.sum(tl.where(at, row, 0), 0).to(tl.int64)
-            kvh = tl.sum(tl.where(at, item, 0), 0) % KV_HEADS
-            item_lo = tl.sum(tl.where(at, lo, 0), 0)
-            item_len = tl.sum(tl.where(at, length, 0), 0)
-            tile = t - end + tl.sum(tl.where(at, tiles, 0), 0)  # of the item's
-            n0 = tl.sum(tl.where(at, first, 0), 0) + tile * BLOCK
-            fresh = tile == 0  # the item's state starts again
-            heads = kvh * GROUP + offs_h
-            q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_hd, other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-            if SHARED:  # the state the prompt left, for rows with one; else empty
-                reload = fresh & (tl.sum(tl.where(at, has_prompt.to(tl.int32), 0), 0) > 0)
-                has = mask_h & (offs_h * 0 + reload.to(tl.int32) > 0)
-                m_p = tl.load(PromptMax + b * stride_pmb + heads, mask=has, other=float("-inf"))
-                l_p = tl.load(PromptSum + b * stride_pmb + heads, mask=has, other=0.0)
-                acc_p = tl.load(PromptAcc + b * stride_sb + heads[:, None] * stride_sh + offs_d[None, :],
-                                mask=has[:, None] & mask_d[None, :], other=0.0)
-                m_i = tl.where(fresh, m_p, m_i)
-                l_i = tl.where(fresh, l_p, l_i)
-                acc = tl.where(fresh, acc_p, acc)
-            else:
-                m_i = tl.where(fresh, float("-inf"), m_i)
-                l_i = tl.where(fresh, 0.0, l_i)
-                acc = tl.where(fresh, 0.0, acc)
-            pos = n0 + offs_n
-            mask_n = (pos >= item_lo) & (pos < item_len)
-            if PAGED:
-                blk = tl.load(Blocks + b * stride_bb + n0 // block_size).to(tl.int64)
-                within = pos % block_size
-            else:
-                blk = tl.load(Blocks + b * stride_bb).to(tl.int64)
-                within = pos
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(K + blk * stride_ks + kvh * stride_kh + within[:, None] * stride_kt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
-            v = tl.load(V + blk * stride_vs + kvh * stride_vh + within[:, None] * stride_vt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_H, BLOCK]
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an all-masked tile changes nothing
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
-            o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-            last = mask_h & (offs_h * 0 + t == end - 1)  # the item's last tile writes its output
-            tl.store(o_ptr, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=last[:, None] & mask_d[None, :])
-
-    @triton.jit
     def _merge_kernel(Acc, Max, Sum, Out, stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
                       stride_ob, stride_oh,
                       HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -371,8 +265,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             lengths: torch.Tensor, window: int | None,
                             prompts: tuple[torch.Tensor, torch.Tensor] | None = None, *, block: int = BLOCK_N,
                             programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
-                            num_stages: int = NUM_STAGES, splits: int | None = None,
-                            stream: bool = STREAM, stream_stages: int = STREAM_STAGES) -> torch.Tensor:
+                            num_stages: int = NUM_STAGES, splits: int | None = None) -> torch.Tensor:
     """Same contract as ``decode_attention_torch``; GPU (or ``TRITON_INTERPRET=1`` on CPU).
 
     ``prompts`` = (groups, prompt) [B] int: rows whose ``prompt`` > 0 begin with that many
@@ -381,13 +274,12 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     them, with the same ``prompt``; the first of them then reads those positions once for all (the
     other rows read only their own), which the result does not depend on. Ignored with a
     ``window``. The keyword options are the kernel's tuning knobs (benchmarks sweep them);
-    ``splits`` overrides ``num_splits``; ``stream``: one split runs ``_stream_kernel`` (where each
-    tile lies in one block, or the cache is contiguous), else ``_split_kernel``."""
+    ``splits`` overrides ``num_splits``."""
     if triton is None:
         raise RuntimeError("the Triton decode attention needs the triton package")
     return _run(lambda kernel, grid: kernel[grid], q.device, q, k_cache, v_cache, blocks, lengths, window, prompts,
                 block=block, programs_per_sm=programs_per_sm, num_warps=num_warps, num_stages=num_stages,
-                splits=splits, stream=stream, stream_stages=stream_stages)
+                splits=splits)
 
 
 def warm_kernels(device: torch.device, dtype: torch.dtype, *, batch: int, heads: int, kv_heads: int, head_dim: int,
@@ -410,7 +302,7 @@ def warm_kernels(device: torch.device, dtype: torch.dtype, *, batch: int, heads:
 
 def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, window, prompts, *, block: int = BLOCK_N,
          programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-         splits: int | None = None, stream: bool = STREAM, stream_stages: int = STREAM_STAGES) -> torch.Tensor:
+         splits: int | None = None) -> torch.Tensor:
     """The kernels' launches: ``launch(kernel, grid)`` -> a callable taking the kernel's
     arguments (``kernel[grid]``, or a warm-up); ``device`` is the one they run on."""
     q = q.contiguous()  # a no-op for the model's q; a compiled graph may lay it out otherwise
@@ -447,19 +339,6 @@ def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, win
             BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, PAGED=paged,
             TILE_IN_BLOCK=tile_in_block, num_warps=num_warps, num_stages=num_stages,
         )
-    if splits == 1 and stream and (tile_in_block or not paged):
-        items = B * K
-        per = triton.cdiv(items, programs_per_sm * _sm_count(device))  # items per program
-        programs = triton.cdiv(items, per)  # as few as hold ``per`` each: no ragged last program
-        launch(_stream_kernel, (programs,))(
-            q, k_cache, v_cache, blocks, lengths, out, prompt, prompt_acc, prompt_max, prompt_sum, items, programs,
-            *strides_qkv, out.stride(0), out.stride(1), prompt_acc.stride(0), prompt_acc.stride(1),
-            prompt_max.stride(0), scale_log2, window or 0,
-            KV_HEADS=K, GROUP=group, HEAD_DIM=d, ITEMS=triton.next_power_of_2(per),
-            BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK=block, PRECISION=precision,
-            UPCAST=upcast, SHARED=shared, PAGED=paged, num_warps=num_warps, num_stages=stream_stages,
-        )
-        return out
     launch(_split_kernel, (B, K, splits))(
         q, k_cache, v_cache, blocks, lengths, acc, row_max, row_sum, out, prompt, prompt_acc, prompt_max, prompt_sum,
         *strides_qkv, acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0), row_max.stride(1),
