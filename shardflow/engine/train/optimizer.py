@@ -2,8 +2,9 @@
 
 The model may compute in bf16; the optimizer keeps a float32 master copy of every local
 parameter in one flat tensor (laid out like the gradient buffer), updates it with float32
-gradients, and the engine copies it back into the model after each step. One flat tensor means
-a handful of large elementwise kernels per step instead of several per parameter. The state
+gradients, and the engine copies it back into the model after each step. The update is torch's
+fused AdamW kernel over views of the flat tensors (one group with weight decay, one without):
+one read and write of each state tensor a step. The state
 can live in host memory instead, streamed through the device in chunks (``offload``). The settings
 are the run's own (``config.experiment.OptimConfig``).
 """
@@ -52,22 +53,21 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
 # optimizer's flat layout [lo, hi) (values on the training device).
 Updated = Callable[[int, int, torch.Tensor], None]
 
-DEFAULT_CHUNK_NUMEL = 1 << 24  # 64 MiB per float32 tensor of a step's chunk
+DEFAULT_CHUNK_NUMEL = 1 << 24  # 64 MiB per float32 tensor of an offloaded step's chunk
 
 
-def adamw_update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
-                 decay: list[torch.Tensor], cfg: OptimConfig, lr: float, step: int) -> None:
-    """``torch.optim.AdamW``'s update number ``step`` of flat float32 tensors, in place; ``decay``:
-    the views of ``master`` that get weight decay."""
-    beta1, beta2 = cfg.beta1, cfg.beta2
-    if cfg.weight_decay and decay:
-        torch._foreach_mul_(decay, 1.0 - lr * cfg.weight_decay)
-    exp_avg.lerp_(grad, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    bias1 = 1.0 - beta1 ** step
-    bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    denom = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(cfg.eps)
-    master.addcdiv_(exp_avg, denom, value=-lr / bias1)
+def adamw_update(tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                 spans: list[tuple[int, int, bool]], cfg: OptimConfig, lr: float, step: torch.Tensor) -> None:
+    """``torch.optim.AdamW``'s update (its fused kernel: one read and write of each state tensor,
+    no temporaries) of flat float32 (master, exp_avg, exp_avg_sq, grad), in place, over ``spans``
+    [lo, hi) of them, weight decay where their flag says; ``step``: the update's number, a float32
+    tensor on their device."""
+    for decayed in (True, False):
+        master, exp_avg, exp_avg_sq, grad = ([t[lo:hi] for lo, hi, decay in spans if decay == decayed] for t in tensors)
+        if master:
+            torch._fused_adamw_(master, grad, exp_avg, exp_avg_sq, [], [step] * len(master), lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                                weight_decay=cfg.weight_decay if decayed else 0.0, eps=cfg.eps, amsgrad=False,
+                                maximize=False)
 
 
 class AdamW:
@@ -76,12 +76,11 @@ class AdamW:
     ``decay`` lists the spans ``[lo, hi)`` of ``master`` that get weight decay. The step count
     lives with the caller, which also drives the schedule, so that both always agree.
 
-    A step updates the state in chunks of ``chunk_numel`` elements: on the device, so that the
-    update's float32 temporary is a chunk's and not another copy of the whole state. ``offload``:
-    the master weights and both moments live in host memory (pinned where the device is a GPU) and
-    a step streams the chunks through the device: while one chunk is updated, the next is copied in
-    and the previous one copied out, on two copy streams. The device holds two chunks of the three
-    tensors, whatever the model's size.
+    On the device a step is one pass of the fused kernel over the whole state. ``offload``: the
+    master weights and both moments live in host memory (pinned where the device is a GPU) and a
+    step streams them through the device in chunks of ``chunk_numel`` elements: while one chunk is
+    updated, the next is copied in and the previous one copied out, on two copy streams. The device
+    holds two chunks of the three tensors, whatever the model's size.
     """
 
     def __init__(self, master: torch.Tensor, decay: list[tuple[int, int]], cfg: OptimConfig, *,
@@ -90,7 +89,7 @@ class AdamW:
         assert master.dtype == torch.float32 and master.dim() == 1
         check_schedule(cfg)
         self.device, self.cfg, self.offload = device or master.device, cfg, offload
-        self.decay = sorted(decay)
+        self.spans = _spans(sorted(decay), master.numel())
         if offload:
             pin = self.device.type == "cuda"
             if master.device.type != "cpu" or (pin and not master.is_pinned()):
@@ -102,22 +101,20 @@ class AdamW:
             self.exp_avg_sq = torch.zeros_like(master)
         self.chunk_numel = min(chunk_numel, max(1, master.numel()))
         self.master = master
+        self._step = torch.zeros((), dtype=torch.float32, device=self.device)  # the fused kernel reads it there
 
-    def _decay_views(self, master: torch.Tensor, lo: int, hi: int) -> list[torch.Tensor]:
-        """Views of ``master`` (elements [lo, hi) of the layout) over the decayed spans in it."""
-        return [master[max(a, lo) - lo:min(b, hi) - lo] for a, b in self.decay if max(a, lo) < min(b, hi)]
+    def _chunk_spans(self, lo: int, hi: int) -> list[tuple[int, int, bool]]:
+        """``spans`` within elements [lo, hi) of the layout, relative to ``lo``."""
+        return [(max(a, lo) - lo, min(b, hi) - lo, d) for a, b, d in self.spans if max(a, lo) < min(b, hi)]
 
     @torch.no_grad()
     def step(self, grad: torch.Tensor, lr: float, step: int, updated: Updated) -> None:
         """Apply update number ``step`` (1 for the first) with float32 ``grad`` (on the device, shaped
         like master), then hand the new master weights to ``updated``."""
+        self._step.fill_(step)
         if not self.offload:
-            n = self.master.numel()
-            for lo in range(0, n, self.chunk_numel):
-                hi = min(lo + self.chunk_numel, n)
-                chunk = [t[lo:hi] for t in (self.master, self.exp_avg, self.exp_avg_sq, grad)]
-                adamw_update(*chunk, self._decay_views(chunk[0], lo, hi), self.cfg, lr, step)
-            updated(0, n, self.master)
+            adamw_update((self.master, self.exp_avg, self.exp_avg_sq, grad), self.spans, self.cfg, lr, self._step)
+            updated(0, self.master.numel(), self.master)
             return
         host = (self.master, self.exp_avg, self.exp_avg_sq)
         n, size = self.master.numel(), self.chunk_numel
@@ -131,12 +128,26 @@ class AdamW:
                 for b, h in zip(chunk, host):
                     b.copy_(h[lo:hi], non_blocking=True)
             streams.compute(k)
-            adamw_update(*chunk, grad[lo:hi], self._decay_views(chunk[0], lo, hi), self.cfg, lr, step)
+            adamw_update((*chunk, grad[lo:hi]), self._chunk_spans(lo, hi), self.cfg, lr, self._step)
             updated(lo, hi, chunk[0])
             with streams.copy_out(k):
                 for b, h in zip(chunk, host):
                     h[lo:hi].copy_(b, non_blocking=True)
         streams.finish()
+
+
+def _spans(decay: list[tuple[int, int]], n: int) -> list[tuple[int, int, bool]]:
+    """[0, n) as (lo, hi, decayed) spans: the sorted, disjoint ``decay`` spans and the gaps between them."""
+    spans, at = [], 0
+    for lo, hi in decay:
+        if lo > at:
+            spans.append((at, lo, False))
+        if hi > lo:
+            spans.append((lo, hi, True))
+        at = max(at, hi)
+    if at < n:
+        spans.append((at, n, False))
+    return spans
 
 
 class _CopyStreams:
