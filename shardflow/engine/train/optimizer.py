@@ -4,9 +4,9 @@ The model may compute in bf16; the optimizer keeps a float32 master copy of ever
 parameter in one flat tensor (laid out like the gradient buffer), updates it with float32
 gradients, and the engine copies it back into the model after each step. The update is torch's
 fused AdamW kernel over views of the flat tensors (one group with weight decay, one without):
-one read and write of each state tensor a step. The state
-can live in host memory instead, streamed through the device in chunks (``offload``). The settings
-are the run's own (``config.experiment.OptimConfig``).
+one read and write of each state tensor a step. The state can live in host memory instead,
+streamed through the device in chunks (``offload``). The settings are the run's own
+(``config.experiment.OptimConfig``).
 """
 
 from __future__ import annotations
@@ -63,11 +63,12 @@ def adamw_update(tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
     [lo, hi) of them, weight decay where their flag says; ``step``: the update's number, a float32
     tensor on their device."""
     for decayed in (True, False):
-        master, exp_avg, exp_avg_sq, grad = ([t[lo:hi] for lo, hi, decay in spans if decay == decayed] for t in tensors)
+        master, exp_avg, exp_avg_sq, grad = ([t[lo:hi] for lo, hi, decay in spans if decay == decayed]
+                                             for t in tensors)
         if master:
-            torch._fused_adamw_(master, grad, exp_avg, exp_avg_sq, [], [step] * len(master), lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
-                                weight_decay=cfg.weight_decay if decayed else 0.0, eps=cfg.eps, amsgrad=False,
-                                maximize=False)
+            torch._fused_adamw_(master, grad, exp_avg, exp_avg_sq, [], [step] * len(master), lr=lr,
+                                beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay if decayed else 0.0,
+                                eps=cfg.eps, amsgrad=False, maximize=False)
 
 
 class AdamW:
