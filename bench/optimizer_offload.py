@@ -7,8 +7,9 @@ with the state on the device, and against the host link's limit.
 A step moves the master weights and both moments (12 bytes per parameter) in and out; the two
 directions run at once on their own copy streams, so the floor is the slower direction's bytes
 over its bandwidth, measured here on pinned buffers. On the device the floor is the fused update's
-bytes (34 a parameter, the bf16 weights' store included) over the device's copy bandwidth. The two steps must give bitwise equal master
-weights (the same elementwise operations). Prints a table and writes ``optimizer_offload.json``.
+bytes (34 a parameter, the bf16 weights' store included) over the device's copy bandwidth. The two
+steps must give bitwise equal master weights (the same kernel). Prints a table and writes
+``optimizer_offload.json``.
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "params": n, "chunk_numel": chunk, "bitwise_equal": equal, "on_device_step_s": on_device,
               "offloaded_step_s": streamed, "copy_gb_s": copy / 1e9, "on_device_floor_s": device_floor,
-              "on_device_over_floor": on_device / device_floor, "h2d_gb_s": h2d / 1e9, "d2h_gb_s": d2h / 1e9, "link_floor_s": floor,
-              "offloaded_over_floor": streamed / floor}
+              "on_device_over_floor": on_device / device_floor, "h2d_gb_s": h2d / 1e9, "d2h_gb_s": d2h / 1e9,
+              "link_floor_s": floor, "offloaded_over_floor": streamed / floor}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "optimizer_offload.json").write_text(json.dumps(result, indent=2))
