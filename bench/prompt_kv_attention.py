@@ -99,8 +99,6 @@ def measure(device, dtype, prompts_n: int, samples: int, heads: int, kv_heads: i
             "context": context,
             "engine_us": 1e6 * kernel_timed(lambda: decode_attention_triton(*args), device),
             "cascade_us": 1e6 * kernel_timed(lambda: decode_attention_triton(*args, prompts), device),
-            "cascade_tile_blocks_us": 1e6 * kernel_timed(
-                lambda: decode_attention_triton(*args, prompts, preload_blocks=False), device),
             "engine_bytes": 2 * batch * kv_heads * context * d * item,
             "cascade_bytes": cascade_bytes[-1],
             "max_abs_diff": (decode_attention_triton(*args).float()
@@ -171,18 +169,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "prompt_kv_attention.json").write_text(json.dumps(result, indent=2))
 
-    print(f"| context | engine us | cascade us | cascade, block numbers loaded tile by tile, us | engine GB/s "
-          f"| cascade GB/s | max abs diff (engine, torch) |  ({shape['prompts_n']} prompts x {shape['samples']} "
-          f"samples, {shape['prompt']}-position prompts, {dtype})")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| context | engine us | cascade us | engine GB/s | cascade GB/s | max abs diff (engine, torch) |  ({shape['prompts_n']} prompts "
+          f"x {shape['samples']} samples, {shape['prompt']}-position prompts, {dtype})")
+    print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['context']} | {r['engine_us']:.1f} | {r['cascade_us']:.1f} | {r['cascade_tile_blocks_us']:.1f} "
-              f"| {r['engine_bytes'] / r['engine_us'] / 1e3:.0f} | {r['cascade_bytes'] / r['cascade_us'] / 1e3:.0f} "
-              f"| {r['max_abs_diff']:.1e}, {r['max_abs_diff_torch']:.1e} |")
+        print(f"| {r['context']} | {r['engine_us']:.1f} | {r['cascade_us']:.1f} | {r['engine_bytes'] / r['engine_us'] / 1e3:.0f}"
+              f" | {r['cascade_bytes'] / r['cascade_us'] / 1e3:.0f} | {r['max_abs_diff']:.1e}, {r['max_abs_diff_torch']:.1e} |")
     mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     print(f"mean over the contexts: engine {mean('engine_us'):.1f} us, cascade {mean('cascade_us'):.1f} us "
-          f"({mean('cascade_us') / mean('engine_us'):.3f}x), block numbers tile by tile "
-          f"{mean('cascade_tile_blocks_us'):.1f} us"
+          f"({mean('cascade_us') / mean('engine_us'):.3f}x)"
           + (f"; copy bandwidth {result['bandwidth_gb_s']:.0f} GB/s, read {result['read_bandwidth_gb_s']:.0f} GB/s"
              if "bandwidth_gb_s" in result else ""))
     if result["sweep"]:

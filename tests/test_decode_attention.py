@@ -132,12 +132,10 @@ def check_paged() -> None:
         kp, vp, rows = paged_copy(kc, vc, slots, block, g)
         torch.testing.assert_close(decode_attention_torch(q.float(), kp.float(), vp.float(), rows, lengths, window),
                                    want, atol=1e-5, rtol=0)
-        # each tile's block number from the row's, loaded at the start (blocks of 64 and 128), or tile by tile
-        for splits, preload in ((1, True), (3, True), (1, False)):
-            got = decode_attention_triton(q, kp, vp, rows, lengths, window, splits=splits, preload_blocks=preload)
+        for splits in (1, 3):
+            got = decode_attention_triton(q, kp, vp, rows, lengths, window, splits=splits).float()
             atol = 1e-5 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(got.float(), want, atol=atol, rtol=0,
-                                       msg=f"paged {H} {K} {d} {dtype} {window} {block} {splits} {preload}")
+            torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"paged {H} {K} {d} {dtype} {window} {block}")
     # a prompt of 40 positions shared by rows 0-2 (two whole blocks of 16), of 5 by rows 3-4 (none)
     H, K, d, block = 4, 2, 16, 16
     groups, prompt = torch.tensor([0, 0, 0, 1, 1, -1]), torch.tensor([40, 40, 40, 5, 5, 0])
@@ -165,11 +163,9 @@ def check_paged() -> None:
     lengths = prompt + torch.tensor([30, 100, 1, 64, 65, 150])
     want = decode_attention_torch(q, kc, vc, slots, lengths, None)
     kp, vp, rows = paged_copy(kc, vc, slots, block, g, share={1: 0, 3: 2, 4: 2})
-    for splits, preload in ((1, True), (3, True), (1, False)):
-        got = decode_attention_triton(q, kp, vp, rows, lengths, None, (groups, prompt), splits=splits,
-                                      preload_blocks=preload)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0,
-                                   msg=f"paged blocks of 64, shared prompts, {splits} {preload}")
+    for splits in (1, 3):
+        got = decode_attention_triton(q, kp, vp, rows, lengths, None, (groups, prompt), splits=splits)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"paged blocks of 64, shared prompts, {splits}")
 
 
 def check_engine(path: str) -> None:
@@ -297,10 +293,8 @@ def test_kernels_compile_for_hopper(monkeypatch):
         for paged in (False, True):
             for splits, shared in ((1, False), (3, False), (1, True), (3, True)):
                 variants.append((da._split_kernel, dict(knobs, GROUP=group, SPLITS=splits, BLOCK_H=16,
-                                                        SHARED=shared, PAGED=paged, TILE_IN_BLOCK=paged,
-                                                        ROW_BLOCKS=16 if paged else 0)))
+                                                        SHARED=shared, PAGED=paged)))
             variants.append((da._prompt_kernel, dict(knobs, GROUP=group, ROWS=da.PROMPT_ROWS,
-                                                     BLOCK_Q=max(16, da.PROMPT_ROWS * group), PAGED=paged,
-                                                     TILE_IN_BLOCK=paged)))
+                                                     BLOCK_Q=max(16, da.PROMPT_ROWS * group), PAGED=paged)))
     with ThreadPoolExecutor(WORKERS) as pool:  # Triton's passes and ptxas run outside the GIL
         list(pool.map(lambda variant: compile_for_hopper(*variant), variants))

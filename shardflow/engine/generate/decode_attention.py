@@ -45,8 +45,6 @@ BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 4, 2
 # 64 KB of its 228 KB of shared memory): the splits fill one wave of them, and no more.
 PROGRAMS_PER_SM = 3
 MAX_SPLITS = 32
-# The most block numbers a program of the split kernel holds in registers, loaded at its start.
-MAX_ROW_BLOCKS = 32
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
@@ -86,19 +84,17 @@ if triton is not None:
 
     @triton.jit
     def attend_positions(q, k_head, v_head, block_row, stride_ks, stride_kt, stride_vs, stride_vt, block_size,
-                         lo, hi, m_i, l_i, acc, scale_log2, row_blocks,
+                         lo, hi, m_i, l_i, acc, scale_log2,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
                          PRECISION: tl.constexpr, UPCAST: tl.constexpr, PAGED: tl.constexpr,
-                         TILE_IN_BLOCK: tl.constexpr, ROW_BLOCKS: tl.constexpr):
+                         TILE_IN_BLOCK: tl.constexpr):
         """Online softmax of the query rows ``q`` [rows, BLOCK_D] over positions [lo, hi) of one
         KV head of a row whose blocks ``block_row`` names (``k_head``, ``v_head``: the head in
         block 0): the running max ``m_i``, sum ``l_i`` and unnormalised output ``acc``, updated
         BLOCK positions at a time. Not PAGED: the row is one block, whose base is computed once.
         TILE_IN_BLOCK (paged, blocks a multiple of BLOCK long): tiles start at multiples of BLOCK,
         so each lies in one block, whose number is loaded one tile ahead (the loads of a tile's
-        keys then wait for no other load); with ROW_BLOCKS > 0 the numbers are taken from
-        ``row_blocks``, the row's first ROW_BLOCKS block numbers already in registers, so that not
-        even the first tile's keys wait for a load of its block's number."""
+        keys then wait for no other load)."""
         offs_n = tl.arange(0, BLOCK)
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
@@ -108,14 +104,9 @@ if triton is not None:
             only = tl.load(block_row).to(tl.int64)
             k_head = k_head + only * stride_ks
             v_head = v_head + only * stride_vs
-        if ROW_BLOCKS > 0:
-            offs_b = tl.arange(0, ROW_BLOCKS)
         if TILE_IN_BLOCK:  # an empty range stays empty: a tile of masked positions only would give NaNs
             first = tl.where(lo < hi, lo - lo % BLOCK, hi)
-            if ROW_BLOCKS > 0:
-                blk = tl.sum(tl.where(offs_b == first // block_size, row_blocks, 0), 0)
-            else:
-                blk = tl.load(block_row + first // block_size, mask=first < hi, other=0).to(tl.int64)
+            blk = tl.load(block_row + first // block_size, mask=first < hi, other=0).to(tl.int64)
         for n0 in range(first, hi, BLOCK):
             pos = n0 + offs_n
             mask_n = (pos >= lo) & (pos < hi)
@@ -125,10 +116,7 @@ if triton is not None:
                 k_rows = k_head + blk * stride_ks + at[:, None] * stride_kt
                 v_rows = v_head + blk * stride_vs + at[:, None] * stride_vt
                 ahead = n0 + BLOCK
-                if ROW_BLOCKS > 0:
-                    blk = tl.sum(tl.where(offs_b == ahead // block_size, row_blocks, 0), 0)
-                else:
-                    blk = tl.load(block_row + ahead // block_size, mask=ahead < hi, other=0).to(tl.int64)
+                blk = tl.load(block_row + ahead // block_size, mask=ahead < hi, other=0).to(tl.int64)
             elif PAGED:  # a tile may straddle two blocks: each position's block from the row
                 blk_n = tl.load(block_row + pos // block_size, mask=mask_n, other=0).to(tl.int64)
                 at = pos % block_size
@@ -189,8 +177,8 @@ if triton is not None:
                 acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
                 m_i, l_i, acc = attend_positions(q, K + kvh * stride_kh, V + kvh * stride_vh,
                                                  Blocks + b.to(tl.int64) * stride_bb, stride_ks, stride_kt, stride_vs,
-                                                 stride_vt, block_size, 0, prompt, m_i, l_i, acc, scale_log2, 0,
-                                                 HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST, PAGED, TILE_IN_BLOCK, 0)
+                                                 stride_vt, block_size, 0, prompt, m_i, l_i, acc, scale_log2,
+                                                 HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST, PAGED, TILE_IN_BLOCK)
                 tl.store(Acc + rows[:, None] * stride_sb + heads[:, None] * stride_sh + offs_d[None, :], acc,
                          mask=in_run[:, None] & mask_d[None, :])
                 tl.store(Max + rows * stride_mb + heads, m_i, mask=in_run)
@@ -200,20 +188,14 @@ if triton is not None:
     def _split_kernel(Q, K, V, Blocks, Lengths, Acc, Max, Sum, Out, Prompt, PromptAcc, PromptMax, PromptSum,
                       stride_qb, stride_qh, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
                       stride_bb, block_size, stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob,
-                      stride_oh, stride_sb, stride_sh, stride_pmb, scale_log2, window, n_blocks,
+                      stride_oh, stride_sb, stride_sh, stride_pmb, scale_log2, window,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
                       PRECISION: tl.constexpr, UPCAST: tl.constexpr, SHARED: tl.constexpr, PAGED: tl.constexpr,
-                      TILE_IN_BLOCK: tl.constexpr, ROW_BLOCKS: tl.constexpr):
+                      TILE_IN_BLOCK: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        block_row = Blocks + b.to(tl.int64) * stride_bb
-        if ROW_BLOCKS > 0:  # the row's block numbers, loaded beside its length rather than after it
-            offs_b = tl.arange(0, ROW_BLOCKS)
-            row_blocks = tl.load(block_row + offs_b, mask=offs_b < n_blocks, other=0).to(tl.int64)
-        else:
-            row_blocks = 0
         length = tl.load(Lengths + b).to(tl.int32)
         start = length * 0
         if window > 0:
@@ -244,10 +226,10 @@ if triton is not None:
             m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_H], tl.float32)
             acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        block_row = Blocks + b.to(tl.int64) * stride_bb
         m_i, l_i, acc = attend_positions(q, K + kvh * stride_kh, V + kvh * stride_vh, block_row, stride_ks, stride_kt,
-                                         stride_vs, stride_vt, block_size, lo, hi, m_i, l_i, acc, scale_log2,
-                                         row_blocks, HEAD_DIM, BLOCK_D, BLOCK, PRECISION, UPCAST, PAGED, TILE_IN_BLOCK,
-                                         ROW_BLOCKS)
+                                         stride_vs, stride_vt, block_size, lo, hi, m_i, l_i, acc, scale_log2, HEAD_DIM,
+                                         BLOCK_D, BLOCK, PRECISION, UPCAST, PAGED, TILE_IN_BLOCK)
 
         if SPLITS == 1:  # nothing to merge: the output itself
             o_ptr = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -283,8 +265,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             lengths: torch.Tensor, window: int | None,
                             prompts: tuple[torch.Tensor, torch.Tensor] | None = None, *, block: int = BLOCK_N,
                             programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS,
-                            num_stages: int = NUM_STAGES, splits: int | None = None,
-                            preload_blocks: bool = True) -> torch.Tensor:
+                            num_stages: int = NUM_STAGES, splits: int | None = None) -> torch.Tensor:
     """Same contract as ``decode_attention_torch``; GPU (or ``TRITON_INTERPRET=1`` on CPU).
 
     ``prompts`` = (groups, prompt) [B] int: rows whose ``prompt`` > 0 begin with that many
@@ -293,13 +274,12 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     them, with the same ``prompt``; the first of them then reads those positions once for all (the
     other rows read only their own), which the result does not depend on. Ignored with a
     ``window``. The keyword options are the kernel's tuning knobs (benchmarks sweep them);
-    ``splits`` overrides ``num_splits``; ``preload_blocks`` False: the split kernel loads each
-    tile's block number as it goes, never the row's at its start."""
+    ``splits`` overrides ``num_splits``."""
     if triton is None:
         raise RuntimeError("the Triton decode attention needs the triton package")
     return _run(lambda kernel, grid: kernel[grid], q.device, q, k_cache, v_cache, blocks, lengths, window, prompts,
                 block=block, programs_per_sm=programs_per_sm, num_warps=num_warps, num_stages=num_stages,
-                splits=splits, preload_blocks=preload_blocks)
+                splits=splits)
 
 
 def warm_kernels(device: torch.device, dtype: torch.dtype, *, batch: int, heads: int, kv_heads: int, head_dim: int,
@@ -322,7 +302,7 @@ def warm_kernels(device: torch.device, dtype: torch.dtype, *, batch: int, heads:
 
 def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, window, prompts, *, block: int = BLOCK_N,
          programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-         splits: int | None = None, preload_blocks: bool = True) -> torch.Tensor:
+         splits: int | None = None) -> torch.Tensor:
     """The kernels' launches: ``launch(kernel, grid)`` -> a callable taking the kernel's
     arguments (``kernel[grid]``, or a warm-up); ``device`` is the one they run on."""
     q = q.contiguous()  # a no-op for the model's q; a compiled graph may lay it out otherwise
@@ -332,9 +312,6 @@ def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, win
     assert H % K == 0 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and blocks.stride(1) == 1
     group, paged = H // K, blocks.shape[1] > 1
     tile_in_block = paged and N % block == 0
-    # a row of a few blocks is loaded whole at the start (see attend_positions); longer ones block by block
-    row_blocks = triton.next_power_of_2(blocks.shape[1]) if tile_in_block and preload_blocks else 0
-    row_blocks = row_blocks if row_blocks <= MAX_ROW_BLOCKS else 0
     splits = splits or num_splits(B, K, N * blocks.shape[1], device, programs_per_sm, block)
     out = torch.empty(B, H, d, dtype=q.dtype, device=q.device)
     parts = splits if splits > 1 else 0  # one split writes ``out`` directly: no partial results
@@ -366,10 +343,10 @@ def _run(launch, device: torch.device, q, k_cache, v_cache, blocks, lengths, win
         q, k_cache, v_cache, blocks, lengths, acc, row_max, row_sum, out, prompt, prompt_acc, prompt_max, prompt_sum,
         *strides_qkv, acc.stride(0), acc.stride(1), acc.stride(2), row_max.stride(0), row_max.stride(1),
         out.stride(0), out.stride(1), prompt_acc.stride(0), prompt_acc.stride(1), prompt_max.stride(0),
-        scale_log2, window or 0, blocks.shape[1],
+        scale_log2, window or 0,
         GROUP=group, HEAD_DIM=d, SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK=block, PRECISION=precision, UPCAST=upcast, SHARED=shared, PAGED=paged,
-        TILE_IN_BLOCK=tile_in_block, ROW_BLOCKS=row_blocks, num_warps=num_warps, num_stages=num_stages,
+        TILE_IN_BLOCK=tile_in_block, num_warps=num_warps, num_stages=num_stages,
     )
     if splits == 1:
         return out
