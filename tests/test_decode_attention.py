@@ -293,8 +293,9 @@ def test_kernels_compile_for_hopper(monkeypatch):
         for paged in (False, True):
             for splits, shared in ((1, False), (3, False), (1, True), (3, True)):
                 variants.append((da._split_kernel, dict(knobs, GROUP=group, SPLITS=splits, BLOCK_H=16,
-                                                        SHARED=shared, PAGED=paged)))
+                                                        SHARED=shared, PAGED=paged, TILE_IN_BLOCK=paged)))
             variants.append((da._prompt_kernel, dict(knobs, GROUP=group, ROWS=da.PROMPT_ROWS,
-                                                     BLOCK_Q=max(16, da.PROMPT_ROWS * group), PAGED=paged)))
+                                                     BLOCK_Q=max(16, da.PROMPT_ROWS * group), PAGED=paged,
+                                                     TILE_IN_BLOCK=paged)))
     with ThreadPoolExecutor(WORKERS) as pool:  # Triton's passes and ptxas run outside the GIL
         list(pool.map(lambda variant: compile_for_hopper(*variant), variants))
