@@ -42,7 +42,14 @@ def _hash_kernel(Seed, Position, Ids, Bits, Noise, V, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     bits = sk._noise_bits(key, tl.load(Ids + offs, mask=offs < V, other=0))
     tl.store(Bits + row * V + offs, bits.to(tl.int64), mask=offs < V)
-    tl.store(Noise + row * V + offs, sk._gumbel(bits), mask=offs < V)
+    tl.store(Noise + row * V + offs, sk._gumbel(bits, False), mask=offs < V)
+
+
+@triton.jit
+def _gumbel_kernel(Bits, Noise, n, FAST: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bits = tl.load(Bits + offs, mask=offs < n, other=0).to(tl.uint32)
+    tl.store(Noise + offs, sk._gumbel(bits, FAST), mask=offs < n)
 
 
 def rows(temperature, seed0=0, position=7) -> SamplingTensors:
@@ -226,3 +233,25 @@ def test_cpu_sample_draws_what_it_always_drew():
         got, lp = sample(logits, st, vocab_start=0, vocab_size=50, group=None, mode=mode)
         assert got.tolist() == tokens, mode
         torch.testing.assert_close(lp, torch.tensor(logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the hardware's approximate log runs on the GPU")
+def test_gpu_noise_is_the_torch_noise_and_picks_its_tokens():
+    """On the GPU the noise's outer log is the hardware's approximation: finite and within 1e-6 (and
+    float32's last bits) of torch's noise for every uniform, those next to 1 (the largest noise) included; the kernel then
+    picks the torch path's tokens on a Qwen3-sized vocabulary."""
+    cuda = torch.device("cuda")
+    g = torch.Generator().manual_seed(5)
+    top = torch.arange(2**23 - 4096, 2**23)  # u next to 1, where -log(u) is smallest
+    bits = (torch.cat([torch.arange(4096), top, torch.randint(0, 2**23, (1 << 20,), generator=g)]) << 9).to(cuda)
+    noise = torch.empty(len(bits), device=cuda)
+    _gumbel_kernel[(triton.cdiv(len(bits), 1024),)](bits, noise, len(bits), FAST=True, BLOCK=1024)
+    want = -torch.log(-torch.log(unit_interval(bits)))
+    assert noise.isfinite().all()
+    torch.testing.assert_close(noise, want, atol=1e-6, rtol=3e-7)  # the last bits of float32 up to 16.6
+    st = rows([1.0] * 60 + [0.7, 1.3, 0.0, 2.0])
+    st = SamplingTensors(*(t.to(cuda) for t in (st.temperature, st.top_k, st.top_p, st.seed, st.position)))
+    logits = (3 * torch.randn(64, 151_936, generator=g)).to(torch.bfloat16).to(cuda)
+    got = sk.candidates_triton(logits, st.temperature, st.seed, st.position, 0, True)
+    want_tokens, _ = pick(local_candidates(scaled_logits(logits, st.temperature), st, 0, SAMPLE)[None])
+    assert torch.equal(pick(got)[0], want_tokens)
