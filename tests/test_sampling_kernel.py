@@ -250,7 +250,7 @@ def test_gpu_noise_is_the_torch_noise_and_picks_its_tokens():
     assert noise.isfinite().all()
     torch.testing.assert_close(noise, want, atol=1e-6, rtol=3e-7)  # the last bits of float32 up to 16.6
     st = rows([1.0] * 60 + [0.7, 1.3, 0.0, 2.0])
-    st = SamplingTensors(*(t.to(cuda) for t in (st.temperature, st.top_k, st.top_p, st.seed, st.position)))
+    st = SamplingTensors(**{name: t.to(cuda) for name, t in vars(st).items()})
     logits = (3 * torch.randn(64, 151_936, generator=g)).to(torch.bfloat16).to(cuda)
     got = sk.candidates_triton(logits, st.temperature, st.seed, st.position, 0, True)
     want_tokens, _ = pick(local_candidates(scaled_logits(logits, st.temperature), st, 0, SAMPLE)[None])
