@@ -4,6 +4,8 @@ layout, the attention over it, and inference against transformers under (pp, dp,
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,8 +26,8 @@ from shardflow.engine.shared_prompts import (
 )
 from shardflow.models import packed_attention as packed_attention_module
 from shardflow.models.checkpoint import load_model
-from shardflow.models.packed_attention import (LENGTH_MULTIPLE, ROWS_MULTIPLE, PackedSequences, Rows, attend_rows,
-                                               gather_keys, packed_attention)
+from shardflow.models.packed_attention import (LENGTH_MULTIPLE, ROWS_MULTIPLE, PackedSequences, attend_rows, gather_keys,
+                                               packed_attention)
 from shardflow.parallel.layout import Layout
 from shardflow.parallel.world import World
 from shardflow.runtime.validate import check_config
@@ -188,11 +190,6 @@ def test_rows_hold_each_sample_and_take_each_query_from_one_row():
     assert rows.keys.extra_slot.tolist() == [L, L + 1] and rows.keys.extra_token.tolist() == [0, 1]
     assert rows.pairs == ROWS_MULTIPLE * L * (L + 1) // 2 and seqs.pairs == 3 + 7 + 3 + 1
     assert seqs.kernel_on(torch.device("cpu"), 8) == "varlen"  # auto: no cuDNN or FlashAttention-4 kernel here
-    assert seqs.kernel_for(torch.device("cpu"), torch.float32, 8) == "padded"  # the masked attention runs instead
-    for tokens in (4, 4096):  # the compiled layers' trial: every token a query once, a prompt read twice
-        trial = Rows.trial(tokens)
-        assert sorted(trial.keys.index[trial.query_slot].tolist()) == list(range(tokens))
-        assert trial.keys.extra_slot.numel() == tokens // 4
     # keys whose last slots are not the sequence's own queries have no rows
     assert PackedSequences.build(torch.tensor([0, 1, 2, 0, 1]), [2, 1], [2, 3]).rows is None
     with pytest.raises(ValueError, match="the rows kernel needs sequences whose last keys are their own queries"):
@@ -295,48 +292,6 @@ def test_compiled_layers_run_packed_rows_alike(checkpoints):
         error = ((got[name] - want[name]).norm() / want[name].norm()).item()
         assert error < 1e-5, f"{name}: relative error {error:.2e}"
     assert sum(counters["graph_break"].values()) == breaks
-
-
-def test_compiled_layers_gather_the_rows_kernels_inputs_alike(checkpoints):
-    """With the rows kernel, the compiled layers gather q, k and v into the rows' slots inside their
-    own graph (``LayerRunner.before_rows``): the masked attention's outputs and parameter gradients,
-    one graph for micro-batches of other sizes, and none compiled for the plain gathers."""
-    from torch._dynamo.utils import counters
-
-    path = checkpoints.get("qwen3_qknorm", "qwen3", tie_word_embeddings=True)
-    world = World(rank=0, size=1, device=torch.device("cpu"), backend="gloo")
-    eager, _ = load_model(path, Layout((0,)), world)
-    compiled, _ = load_model(path, Layout((0,)), world)
-    assert compiled.compile_layers()
-    calls = []
-    compiled._compiled.before = lambda *args: calls.append(args) or pytest.fail("the rows' layers ran before")
-    batch = make_group_batch(128, seed=5)
-    graphs = None
-    for budget, seed in [(1000, 1), (60, 2)]:
-        runs = split_rows(group_by_prompt(batch, "loss_mask"), batch.lengths.tolist(), budget)
-        mbs = [make_shared_micro_batches(batch, runs, torch.device("cpu"), outputs_at="loss_mask", attention=kernel)
-               for kernel in ("rows", "auto")]
-        mb_rows, mb_auto = (next(iter(m)) for m in mbs)
-        assert mb_rows.packed.rows.keys.extra_slot.numel() > 0  # a prompt's keys read in several rows
-        weights = None
-        results = []
-        for model, mb in [(compiled, mb_rows), (eager, mb_rows), (eager, mb_auto)]:
-            hidden = model(mb.ids, mb.positions, packed=mb.packed)
-            if weights is None:
-                weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(seed))
-            (hidden * weights).sum().backward()
-            results.append((hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                              if p.grad is not None}))
-            model.zero_grad(set_to_none=True)
-        (out, grads), *references = results
-        for want_out, want_grads in references:
-            torch.testing.assert_close(out, want_out, atol=1e-5, rtol=0, msg=f"budget {budget}")
-            assert grads.keys() == want_grads.keys() and any("k_proj" in name for name in grads)
-            for name in grads:
-                error = ((grads[name] - want_grads[name]).norm() / want_grads[name].norm()).item()
-                assert error < 1e-5, f"budget {budget} {name}: relative error {error:.2e}"
-        graphs = counters["stats"]["unique_graphs"] if graphs is None else graphs
-    assert counters["stats"]["unique_graphs"] == graphs and not calls
 
 
 @pytest.mark.parametrize("case", ["qwen3_qknorm", "mistral_window"])

@@ -28,10 +28,8 @@ Kernels (``kernel`` of ``PackedSequences``), on CUDA in half precision:
   here; the head dimensions its kernels take); else ``rows`` where attention runs cuDNN's kernel
   (compute capability 9.0 and up) and the rows' padded pairs are at most ``ROWS_SPEEDUP`` times the
   sequences' own; else ``varlen``.
-Elsewhere (CPU, float32) ``rows`` runs where it is chosen by name, and every other kernel is one
-masked ``scaled_dot_product_attention`` over the sequences padded to the longest.
-The compiled decoder layers gather q, k and v into the rows' slots inside the kernels that norm and
-rotate them (``models.transformer.LayerRunner``), and their backward gathers the gradients back there.
+Elsewhere (CPU, float32) every kernel is one masked ``scaled_dot_product_attention`` over the
+sequences padded to the longest.
 """
 
 from __future__ import annotations
@@ -94,29 +92,22 @@ class Gather:
         return Gather(*(to_device(t, device) for t in (self.index, self.first_slot, self.extra_slot, self.extra_token)))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return gather(x, self.index, self.first_slot, self.extra_slot, self.extra_token)
-
-
-def gather(x: torch.Tensor, index: torch.Tensor, first_slot: torch.Tensor, extra_slot: torch.Tensor | None = None,
-           extra_token: torch.Tensor | None = None) -> torch.Tensor:
-    """``Gather(...)(x)`` from its tensors (no extras: every token has one live slot); traceable by
-    torch.compile, which computes x where the gather reads it (and the gradients' gather likewise)."""
-    return _Gather.apply(x, index, first_slot, extra_slot, extra_token)
+        return _Gather.apply(x, self)
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, index, first_slot, extra_slot, extra_token):
-        ctx.save_for_backward(first_slot, extra_slot, extra_token)
-        return x.index_select(0, index)
+    def forward(ctx, x: torch.Tensor, gather: Gather) -> torch.Tensor:
+        ctx.gather = gather
+        return x.index_select(0, gather.index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        first_slot, extra_slot, extra_token = ctx.saved_tensors
-        out = grad.index_select(0, first_slot)
-        if extra_slot is not None:  # adding none is a no-op: no branch on their count, no guard on it
-            out.index_add_(0, extra_token, grad.index_select(0, extra_slot))
-        return out, None, None, None, None
+        g = ctx.gather
+        out = grad.index_select(0, g.first_slot)
+        if len(g.extra_slot):
+            out.index_add_(0, g.extra_token, grad.index_select(0, g.extra_slot))
+        return out, None
 
 
 @dataclass(frozen=True)
@@ -175,24 +166,6 @@ class Rows:
         return cls(keys, Gather.single(keys.index, query_slot), length, query_slot, dropped.nonzero()[:, 0],
                    count * length * (length + 1) // 2)
 
-    @classmethod
-    def trial(cls, tokens: int) -> "Rows":
-        """Rows of ``tokens`` packed tokens as training meets them (``tokens`` >= 4): a prompt, a
-        quarter of them, read by two samples, so that the keys' gather has repeated slots."""
-        prompt = tokens // 4
-        first = (tokens - prompt) // 2
-        own = [torch.arange(prompt, prompt + first), torch.arange(prompt + first, tokens)]
-        kv = torch.cat([torch.arange(prompt), *(torch.cat([torch.arange(prompt), o]) for o in own)])
-        lens = [prompt, first, tokens - prompt - first]
-        return cls.build(kv, lens, [prompt, prompt + lens[1], prompt + lens[2]])
-
-    @property
-    def slots(self) -> tuple[torch.Tensor, ...]:
-        """What ``gather_rows`` takes after q, k and v: the keys' index, the queries' slots, the keys'
-        first slots, their other slots and those slots' tokens; tensors only and none a view of another,
-        so that a compiled function taking them sees sizes (dynamic), not aliases or a new object."""
-        return self.keys.index, self.query_slot, self.keys.first_slot, self.keys.extra_slot, self.keys.extra_token
-
     def to(self, device: torch.device | str) -> "Rows":
         keys, query_slot = self.keys.to(device), to_device(self.query_slot, device)
         return Rows(keys, Gather.single(keys.index, query_slot), self.length, query_slot,
@@ -232,18 +205,8 @@ class PackedSequences:
                                self.max_q, self.max_k, self.pairs,
                                self.rows.to(device) if self.rows is not None else None, self.kernel)
 
-    def kernel_for(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-        """The kernel that runs on ``device`` for heads of ``head_dim`` in ``dtype``: ``kernel_on``'s
-        on CUDA in half precision, ``rows`` wherever it is chosen by name, else ``padded`` (the
-        masked attention of the module's note)."""
-        if self.kernel == "rows":
-            return "rows"
-        if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-            return "padded"
-        return self.kernel_on(device, head_dim)
-
     def kernel_on(self, device: torch.device, head_dim: int) -> str:
-        """The GPU kernel that runs on ``device`` for heads of ``head_dim`` (see the module's note)."""
+        """The kernel that runs on ``device`` for heads of ``head_dim`` (see the module's note)."""
         if self.kernel != "auto":
             return self.kernel
         if fa4_runs(device, head_dim):
@@ -260,32 +223,19 @@ def gather_keys(x: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
     """q [N,h,d], k and v [N,k,d] (packed tokens) -> [N,h,d]."""
-    kernel = seqs.kernel_for(q.device, q.dtype, q.shape[-1])
-    if kernel == "rows":
-        return attend_rows(q, k, v, seqs.rows)
-    if kernel == "padded":
-        return _padded_sequences(q, seqs.keys(k), seqs.keys(v), seqs)
-    varlen = _fa4_varlen if kernel == "fa4" else _flash_varlen
-    return varlen(q, seqs.keys(k), seqs.keys(v), seqs)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        kernel = seqs.kernel_on(q.device, q.shape[-1])
+        if kernel == "rows":
+            return attend_rows(q, k, v, seqs.rows)
+        varlen = _fa4_varlen if kernel == "fa4" else _flash_varlen
+        return varlen(q, seqs.keys(k), seqs.keys(v), seqs)
+    return _padded_sequences(q, seqs.keys(k), seqs.keys(v), seqs)
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> torch.Tensor:
     """The ``rows`` kernel: q [N,h,d], k and v [N,k,d] -> [N,h,d]."""
-    return attend_gathered(*gather_rows(q, k, v, *rows.slots), rows)
-
-
-def gather_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, query_slot: torch.Tensor,
-                first_slot: torch.Tensor, extra_slot: torch.Tensor,
-                extra_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k and v into the rows' slots (``Rows.slots``): ``rows.queries``, ``rows.keys`` and ``rows.keys``."""
-    keys = (index, first_slot, extra_slot, extra_token)
-    return gather(q, index, query_slot), gather(k, *keys), gather(v, *keys)
-
-
-def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """The ``rows`` kernel after its gathers (which the compiled layers do in their own kernels):
-    q [R * length,h,d] (``rows.queries``), k and v [R * length,k,d] (``rows.keys``) -> [N,h,d]."""
-    qs, ks, vs = (t.unflatten(0, (-1, rows.length)).transpose(1, 2) for t in (q, k, v))
+    qs, ks, vs = (g(t).unflatten(0, (-1, rows.length)).transpose(1, 2)
+                  for g, t in ((rows.queries, q), (rows.keys, k), (rows.keys, v)))
     out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     return _Select.apply(out.transpose(1, 2).flatten(0, 1), rows.query_slot, rows.dropped_slot)  # -> [N,h,d]
 
@@ -304,12 +254,6 @@ class _Select(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty(ctx.rows, *grad.shape[1:]).index_copy_(0, ctx.slots, grad)
         return out.index_fill_(0, ctx.dropped, 0), None, None
-
-
-def rows_may_run(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether ``auto`` may pick the ``rows`` kernel for heads of ``head_dim`` in ``dtype`` on ``device``."""
-    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _cudnn_attention(device)
-            and not fa4_runs(device, head_dim))
 
 
 @lru_cache(maxsize=None)

@@ -24,8 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardflow.config.model import ModelConfig, RopeConfig
 from shardflow.models import compile_settings
-from shardflow.models.packed_attention import (PackedSequences, Rows, attend_gathered, gather_rows, packed_attention,
-                                              rows_may_run)
+from shardflow.models.packed_attention import PackedSequences, packed_attention
 from shardflow.models.tensor_parallel import RowParallelLinear, VocabParallelEmbedding
 from shardflow.models.token_stats import head_logprobs_and_entropy
 from shardflow.parallel.comm import copy_to_tp
@@ -202,14 +201,6 @@ def _before_attention(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
     return q[0], k[0], v[0]
 
 
-def _before_attention_rows(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                           *slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``_before_attention`` with q, k and v gathered into the ``rows`` kernel's slots (``Rows.slots``):
-    compiled, each slot computes its token's norm and rotary where it reads it, and backward reads
-    the rows' gradients in place, without the tokens' copies in between."""
-    return gather_rows(*_before_attention(layer, x, cos, sin), *slots)
-
-
 def _after_attention(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The rest of the layer from its attention's output [N,h,d]."""
     return layer.finish(x + layer.self_attn.output(out[None]))
@@ -225,14 +216,13 @@ class LayerRunner:
     row against several: compiled again). A caller's ``attend`` (generation's prefill) runs the layer
     eager, whole."""
 
-    def __init__(self, before=_before_attention, after=_after_attention, before_rows=_before_attention_rows):
-        self.before, self.after, self.before_rows = before, after, before_rows
+    def __init__(self, before=_before_attention, after=_after_attention):
+        self.before, self.after = before, after
 
     @classmethod
     def compiled(cls, **options) -> "LayerRunner":
-        """The functions, each through ``torch.compile(fn, **options)``."""
-        return cls(*(torch.compile(fn, **options)
-                     for fn in (_before_attention, _after_attention, _before_attention_rows)))
+        """The two functions, each through ``torch.compile(fn, **options)``."""
+        return cls(*(torch.compile(fn, **options) for fn in (_before_attention, _after_attention)))
 
     def __call__(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  attend: AttendFn | None = None, packed: PackedSequences | None = None) -> torch.Tensor:
@@ -241,10 +231,6 @@ class LayerRunner:
         B, T, H = x.shape
         row = x.reshape(1, B * T, H)  # the rows' tokens as one row: the projections see tokens, not rows
         cos, sin = (t.expand(B, T, -1).reshape(1, B * T, -1) for t in (cos, sin))  # positions may be shared
-        if packed is not None and packed.kernel_for(x.device, x.dtype, layer.self_attn.head_dim) == "rows":
-            rows = packed.rows
-            out = attend_gathered(*self.before_rows(layer, row, cos, sin, *rows.slots), rows)
-            return self.after(layer, row, out).view(B, T, H)
         q, k, v = self.before(layer, row, cos, sin)
         if packed is not None:
             out = packed_attention(q, k, v, packed)
@@ -361,10 +347,6 @@ class Transformer(nn.Module):
         try:
             q, _, _ = compiled.before(layer, x, cos, sin)
             compiled.after(layer, x, q).sum().backward()  # q stands in for the attention's output
-            if rows_may_run(p.device, p.dtype, self.cfg.head_dim):  # the shared prompts' graph, where it may run
-                rows = Rows.trial(tokens).to(p.device)
-                gathered = compiled.before_rows(layer, x, cos, sin, *rows.slots)
-                sum(t.float().sum() for t in gathered).backward()
         except Exception as e:  # noqa: BLE001 - any compiler failure: stay eager, say so
             logger.warning(f"torch.compile of the decoder layers failed, running eager: {type(e).__name__}: {e}")
             return False
