@@ -4,7 +4,6 @@ layout, the attention over it, and inference against transformers under (pp, dp,
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
