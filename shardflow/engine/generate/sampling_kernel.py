@@ -170,7 +170,8 @@ def _run(launch, device: torch.device, logits, temperature, seed, position, voca
     launch(_candidates_kernel, (B, chunks))(
         logits, temperature.contiguous(), seed.contiguous(), position.contiguous(), out,
         logits.stride(0), out.stride(0), V, vocab_start, chunk, SAMPLE=sample, BLOCK=block,
-        FAST_LOG=device.type == "cuda", num_warps=num_warps,  # off the GPU: the interpreter
+        FAST_LOG=device.type == "cuda" and torch.version.hip is None,  # NVIDIA's libdevice; not the interpreter
+        num_warps=num_warps,
     )
     return out
 
