@@ -235,11 +235,12 @@ def test_cpu_sample_draws_what_it_always_drew():
         torch.testing.assert_close(lp, torch.tensor(logprobs), atol=1e-5, rtol=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the hardware's approximate log runs on the GPU")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
+                    reason="the hardware's approximate log runs on NVIDIA GPUs")
 def test_gpu_noise_is_the_torch_noise_and_picks_its_tokens():
-    """On the GPU the noise's outer log is the hardware's approximation: finite and within 1e-6 (and
-    float32's last bits) of torch's noise for every uniform, those next to 1 (the largest noise) included; the kernel then
-    picks the torch path's tokens on a Qwen3-sized vocabulary."""
+    """On an NVIDIA GPU the noise's outer log is the hardware's approximation: finite and within 1e-6
+    (and float32's last bits) of torch's noise for every uniform, those next to 1 (the largest noise)
+    included; the kernel then picks the torch path's tokens on a Qwen3-sized vocabulary."""
     cuda = torch.device("cuda")
     g = torch.Generator().manual_seed(5)
     top = torch.arange(2**23 - 4096, 2**23)  # u next to 1, where -log(u) is smallest
